@@ -1,0 +1,383 @@
+"""Paged KV pools: geometry, byte addressing and the cache object that owns (or views) them.
+
+In-block layout ("HND", see docs/formats.md for byte diagrams). For one layer:
+
+    data pool   (num_blocks, num_kv_heads, page_size, row_elems)   data_dtype of the format
+    scale pool  (num_blocks, num_kv_heads, page_size, num_scales)  uint8   block-scaled formats (nvfp4, mxfp4)
+                (num_blocks, num_kv_heads, page_size)              float32 per token-head formats (fp8, int8)
+                none                                               bf16
+    global scale (num_kv_heads,) float32                                   nvfp4 only
+    ring        (max_seqs, num_kv_heads, recent_window, head_dim)  dtype   caches with a recent-token window
+
+Why heads before tokens: a decode CTA works on one (sequence, kv_head) and walks its pages, so the
+page_size x row_bytes tile it loads for a block is one contiguous run of bytes (one TMA box, or 16-byte
+cp.async vectors), and the matching scale tile (page_size x num_scales bytes) is contiguous as well.
+Data and scale pools share block ids: block ``b`` of a sequence lives in ``data[b]`` and ``scale[b]``.
+
+Every byte offset used anywhere (reference, kernels, inspector) comes from :class:`PoolGeometry`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .formats import FormatSpec, KVFormat, kv_formats
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def _check_pos_int(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise TypeError(f"{name}: expected a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Shapes, strides and byte offsets of one layer's K or V pools in one format."""
+
+    num_blocks: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    fmt: KVFormat
+
+    def __post_init__(self) -> None:
+        _check_pos_int(self.num_blocks, "num_blocks")
+        _check_pos_int(self.page_size, "page_size")
+        _check_pos_int(self.num_kv_heads, "num_kv_heads")
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size: {self.page_size} is not one of {PAGE_SIZES}")
+        self.fmt.check_head_dim(self.head_dim)
+
+    # --- shapes -------------------------------------------------------------------------------
+    @property
+    def row_elems(self) -> int:
+        return self.fmt.row_elems(self.head_dim)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fmt.payload_bytes(self.head_dim)
+
+    @property
+    def data_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.num_kv_heads, self.page_size, self.row_elems)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...] | None:
+        if not self.fmt.is_quantized:
+            return None
+        if self.fmt.scale_block is None:
+            return (self.num_blocks, self.num_kv_heads, self.page_size)
+        return (self.num_blocks, self.num_kv_heads, self.page_size, self.fmt.num_scales(self.head_dim))
+
+    @property
+    def scale_row_bytes(self) -> int:
+        return self.fmt.scale_bytes(self.head_dim)
+
+    # --- byte addressing (what the kernels compute) ------------------------------------------
+    def data_offset(self, block: int, head: int, offset: int) -> int:
+        """Byte offset of the payload row of (block, kv_head, in-page offset) from the pool's base."""
+        return ((block * self.num_kv_heads + head) * self.page_size + offset) * self.row_bytes
+
+    def scale_offset(self, block: int, head: int, offset: int) -> int:
+        """Byte offset of the scale row of (block, kv_head, in-page offset) from the scale pool's base."""
+        return ((block * self.num_kv_heads + head) * self.page_size + offset) * self.scale_row_bytes
+
+    @property
+    def data_tile_bytes(self) -> int:
+        """Bytes of one (block, kv_head) payload tile: contiguous in memory."""
+        return self.page_size * self.row_bytes
+
+    @property
+    def scale_tile_bytes(self) -> int:
+        """Bytes of one (block, kv_head) scale tile: contiguous in memory."""
+        return self.page_size * self.scale_row_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Payload plus scale bytes of one block (all kv heads), for K or V alone."""
+        return self.num_kv_heads * (self.data_tile_bytes + self.scale_tile_bytes)
+
+    # --- allocation and checking -------------------------------------------------------------
+    def empty_data(self, device, num_layers: int | None = None) -> torch.Tensor:
+        shape = self.data_shape if num_layers is None else (num_layers, *self.data_shape)
+        return torch.zeros(shape, dtype=self.fmt.data_dtype, device=device)
+
+    def empty_scales(self, device, num_layers: int | None = None) -> torch.Tensor | None:
+        if self.scale_shape is None:
+            return None
+        shape = self.scale_shape if num_layers is None else (num_layers, *self.scale_shape)
+        return torch.zeros(shape, dtype=self.fmt.scale_storage_dtype, device=device)
+
+    def check_data(self, t: torch.Tensor, name: str) -> None:
+        _check_pool(t, self.data_shape, self.fmt.data_dtype, name)
+
+    def check_scales(self, t: torch.Tensor | None, name: str) -> None:
+        if self.scale_shape is None:
+            if t is not None:
+                raise ValueError(f"{name}: format {self.fmt.name!r} has no scales, expected None")
+            return
+        if t is None:
+            raise ValueError(f"{name}: format {self.fmt.name!r} needs a scale pool of shape {self.scale_shape}")
+        _check_pool(t, self.scale_shape, self.fmt.scale_storage_dtype, name)
+
+
+def _check_pool(t, shape, dtype, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        # Kernels address pools with the byte offsets above; a strided view would break them.
+        raise ValueError(f"{name}: must be contiguous (the kernels address it by byte offset)")
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    """The recent-token window: a bf16/fp16 ring of each sequence's newest ``window`` tokens.
+
+    Token at position ``p`` of the sequence in ring slot ``s`` lives at ``ring[s, head, p % window]``.
+    """
+
+    max_seqs: int
+    num_kv_heads: int
+    window: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.max_seqs, self.num_kv_heads, self.window, self.head_dim)
+
+    def offset(self, seq_slot: int, head: int, position: int) -> int:
+        """Byte offset of (ring slot, kv_head, token position) from the ring's base."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return ((seq_slot * self.num_kv_heads + head) * self.window + position % self.window) * self.head_dim * esize
+
+    def check(self, t: torch.Tensor, name: str) -> None:
+        _check_pool(t, self.shape, self.dtype, name)
+
+
+@dataclass
+class KVLayer:
+    """The plain tensors of one layer: what a serving engine allocates and passes around."""
+
+    k_data: torch.Tensor
+    v_data: torch.Tensor
+    k_scale_pool: torch.Tensor | None
+    v_scale_pool: torch.Tensor | None
+    k_global_scale: torch.Tensor | None  # (num_kv_heads,) float32, nvfp4 only
+    v_global_scale: torch.Tensor | None
+    k_ring: torch.Tensor | None = None  # (max_seqs, num_kv_heads, window, head_dim)
+    v_ring: torch.Tensor | None = None
+
+
+class PagedKVCache:
+    """A paged, quantized KV cache: per layer a K and a V data pool, scale pools with the same block ids,
+    per-(layer, kv_head) fp32 global scales (nvfp4) and, optionally, a bf16 ring of the newest tokens.
+
+    It is a thin owner of plain torch tensors. Build one that allocates (``PagedKVCache(...)``) or one that
+    views tensors you allocated (:meth:`from_tensors`); every function that takes a cache reads only the
+    tensors of :meth:`layer` plus the geometry.
+
+    Args:
+        num_layers, num_blocks, page_size, num_kv_heads, head_dim: pool geometry (page_size in 16..256,
+            a power of two).
+        kv_format: a format name, :class:`KVFormat`, or ``(k_format, v_format)`` pair.
+        device, dtype: where the pools live; ``dtype`` (bf16 or fp16) is the activation dtype, used by the
+            recent-token ring.
+        recent_window: keep each sequence's newest ``recent_window`` tokens in a ring (0 = off).
+        max_seqs: ring slots (sequences that can be live at once); required with a window.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_format: FormatSpec = "nvfp4",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        recent_window: int = 0,
+        max_seqs: int = 0,
+        _layers: Sequence[KVLayer] | None = None,
+    ) -> None:
+        _check_pos_int(num_layers, "num_layers")
+        self.k_format, self.v_format = kv_formats(kv_format)
+        self.k_geometry = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, self.k_format)
+        self.v_geometry = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, self.v_format)
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+        if not isinstance(recent_window, int) or recent_window < 0:
+            raise ValueError(f"recent_window: expected an int >= 0, got {recent_window!r}")
+        if recent_window and (not isinstance(max_seqs, int) or max_seqs <= 0):
+            raise ValueError(f"max_seqs: a cache with recent_window={recent_window} needs max_seqs > 0")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.recent_window = recent_window
+        self.max_seqs = max_seqs if recent_window else 0
+        self.ring_geometry = (
+            RingGeometry(self.max_seqs, num_kv_heads, recent_window, head_dim, dtype) if recent_window else None
+        )
+        if _layers is not None:
+            self.device = torch.device(_layers[0].k_data.device)
+            self._layers = list(_layers)
+            return
+        self.device = torch.device(device)
+        self._layers = self._allocate()
+
+    # --- construction ------------------------------------------------------------------------
+    def _allocate(self) -> list[KVLayer]:
+        L, dev = self.num_layers, self.device
+        # One allocation per pool kind; layers are contiguous views into it.
+        k_data, v_data = self.k_geometry.empty_data(dev, L), self.v_geometry.empty_data(dev, L)
+        k_sc, v_sc = self.k_geometry.empty_scales(dev, L), self.v_geometry.empty_scales(dev, L)
+        k_gs = torch.ones(L, self.num_kv_heads, dtype=torch.float32, device=dev) if self.k_format.has_global_scale else None
+        v_gs = torch.ones(L, self.num_kv_heads, dtype=torch.float32, device=dev) if self.v_format.has_global_scale else None
+        rings = None
+        if self.ring_geometry is not None:
+            rings = [torch.zeros((L, *self.ring_geometry.shape), dtype=self.dtype, device=dev) for _ in range(2)]
+        return [
+            KVLayer(
+                k_data[i], v_data[i],
+                None if k_sc is None else k_sc[i], None if v_sc is None else v_sc[i],
+                None if k_gs is None else k_gs[i], None if v_gs is None else v_gs[i],
+                None if rings is None else rings[0][i], None if rings is None else rings[1][i],
+            )
+            for i in range(L)
+        ]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        layers: Sequence[KVLayer],
+        page_size: int,
+        head_dim: int,
+        kv_format: FormatSpec,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> "PagedKVCache":
+        """A cache viewing tensors the caller allocated (no copy). ``layers`` holds one :class:`KVLayer` per
+        layer; shapes, dtypes, contiguity and devices are checked against the geometry."""
+        if not layers:
+            raise ValueError("layers: need at least one KVLayer")
+        for i, lay in enumerate(layers):
+            if not isinstance(lay, KVLayer):
+                raise TypeError(f"layers[{i}]: expected a KVLayer, got {type(lay).__name__}")
+        first = layers[0]
+        if not isinstance(first.k_data, torch.Tensor) or first.k_data.dim() != 4:
+            raise ValueError("layers[0].k_data: expected a 4-d tensor (num_blocks, num_kv_heads, page_size, row)")
+        num_blocks, num_kv_heads = int(first.k_data.shape[0]), int(first.k_data.shape[1])
+        ring = first.k_ring
+        window = int(ring.shape[2]) if ring is not None else 0
+        max_seqs = int(ring.shape[0]) if ring is not None else 0
+        cache = cls(len(layers), num_blocks, page_size, num_kv_heads, head_dim, kv_format, first.k_data.device,
+                    dtype, recent_window=window, max_seqs=max_seqs, _layers=layers)
+        for i, lay in enumerate(layers):
+            cache._check_layer(lay, f"layers[{i}]")
+        return cache
+
+    def _check_layer(self, lay: KVLayer, name: str) -> None:
+        self.k_geometry.check_data(lay.k_data, f"{name}.k_data")
+        self.v_geometry.check_data(lay.v_data, f"{name}.v_data")
+        self.k_geometry.check_scales(lay.k_scale_pool, f"{name}.k_scale_pool")
+        self.v_geometry.check_scales(lay.v_scale_pool, f"{name}.v_scale_pool")
+        for fmt, gs, nm in ((self.k_format, lay.k_global_scale, "k_global_scale"),
+                            (self.v_format, lay.v_global_scale, "v_global_scale")):
+            if fmt.has_global_scale:
+                if gs is None:
+                    raise ValueError(f"{name}.{nm}: format {fmt.name!r} needs a ({self.num_kv_heads},) fp32 tensor")
+                _check_pool(gs, (self.num_kv_heads,), torch.float32, f"{name}.{nm}")
+            elif gs is not None:
+                raise ValueError(f"{name}.{nm}: format {fmt.name!r} has no global scale, expected None")
+        for ring, nm in ((lay.k_ring, "k_ring"), (lay.v_ring, "v_ring")):
+            if self.ring_geometry is None:
+                if ring is not None:
+                    raise ValueError(f"{name}.{nm}: the cache has no recent window, expected None")
+            else:
+                self.ring_geometry.check(ring, f"{name}.{nm}")
+        devices = {t.device for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
+                                      lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring) if t is not None}
+        if len(devices) != 1 or devices.pop() != self.device:
+            raise ValueError(f"{name}: all tensors must be on one device ({self.device})")
+
+    @staticmethod
+    def pool_shapes(num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                    kv_format: FormatSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+        """Shapes and dtypes of one layer's pools, for engines that allocate their own memory."""
+        kf, vf = kv_formats(kv_format)
+        out = {}
+        for side, fmt in (("k", kf), ("v", vf)):
+            g = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, fmt)
+            out[f"{side}_data"] = (g.data_shape, fmt.data_dtype)
+            out[f"{side}_scale_pool"] = None if g.scale_shape is None else (g.scale_shape, fmt.scale_storage_dtype)
+            out[f"{side}_global_scale"] = ((num_kv_heads,), torch.float32) if fmt.has_global_scale else None
+        return out
+
+    # --- access --------------------------------------------------------------------------------
+    def layer(self, i: int) -> KVLayer:
+        if not isinstance(i, int) or not 0 <= i < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {i!r}")
+        return self._layers[i]
+
+    @property
+    def kv_format(self):
+        return self.k_format if self.k_format == self.v_format else (self.k_format, self.v_format)
+
+    # --- sizes ---------------------------------------------------------------------------------
+    def bytes_per_token(self, *, all_layers: bool = True) -> int:
+        """Paged bytes one token costs: K and V payload plus scales, all kv heads, all layers (or one).
+        The ring and global scales are fixed costs, not per token: see :attr:`nbytes`."""
+        per_layer = self.num_kv_heads * (self.k_format.bytes_per_token_head(self.head_dim)
+                                         + self.v_format.bytes_per_token_head(self.head_dim))
+        return per_layer * (self.num_layers if all_layers else 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every tensor of the cache (pools, scales, global scales, rings)."""
+        total = 0
+        for lay in self._layers:
+            for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_global_scale,
+                      lay.v_global_scale, lay.k_ring, lay.v_ring):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    @staticmethod
+    def blocks_for_budget(budget_bytes: int, page_size: int, num_kv_heads: int, head_dim: int,
+                          kv_format: FormatSpec = "nvfp4", num_layers: int = 1, *, recent_window: int = 0,
+                          max_seqs: int = 0, dtype: torch.dtype = torch.bfloat16) -> int:
+        """How many blocks fit in ``budget_bytes`` (all layers, K and V, scales and ring included)."""
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
+        _check_pos_int(num_layers, "num_layers")
+        kf, vf = kv_formats(kv_format)
+        gk = PoolGeometry(1, page_size, num_kv_heads, head_dim, kf)
+        gv = PoolGeometry(1, page_size, num_kv_heads, head_dim, vf)
+        per_block = num_layers * (gk.bytes_per_block + gv.bytes_per_block)
+        fixed = num_layers * num_kv_heads * 4 * (int(kf.has_global_scale) + int(vf.has_global_scale))
+        if recent_window:
+            esize = torch.empty((), dtype=dtype).element_size()
+            fixed += num_layers * 2 * max_seqs * num_kv_heads * recent_window * head_dim * esize
+        return max(0, (budget_bytes - fixed) // per_block)
+
+    def blocks_needed(self, seqlen: int) -> int:
+        return math.ceil(seqlen / self.page_size)
+
+    def __repr__(self) -> str:
+        ring = f", recent_window={self.recent_window}, max_seqs={self.max_seqs}" if self.recent_window else ""
+        return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, page_size={self.page_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, k={self.k_format!r}, "
+                f"v={self.v_format!r}, device={self.device}{ring})")
