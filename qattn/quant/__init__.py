@@ -1,0 +1,40 @@
+"""Quantization references: exact element casts, KV-format encoders/decoders and INT8 Q/K quantization."""
+
+from .qk_int8 import dequantize_qk_int8_reference, quantize_qk_int8_reference
+from .reference import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FP32_MIN_NORMAL,
+    INT8_MAX,
+    dequantize,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    fake_quantize,
+    mx_shared_exponent,
+    pack_e2m1,
+    quantize,
+    ue8m0_decode,
+    unpack_e2m1,
+)
+
+__all__ = [
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "FP32_MIN_NORMAL",
+    "INT8_MAX",
+    "dequantize",
+    "dequantize_qk_int8_reference",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode",
+    "fake_quantize",
+    "mx_shared_exponent",
+    "pack_e2m1",
+    "quantize",
+    "quantize_qk_int8_reference",
+    "ue8m0_decode",
+    "unpack_e2m1",
+]
