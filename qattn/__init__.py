@@ -1,7 +1,12 @@
 """qattn: CuTe-DSL kernels for low-precision attention on Hopper (SM90) and Blackwell (SM100)."""
 
-from .layouts import FORMAT_NAMES, KVFormat, KVFormatPair, kv_format, kv_formats
+from . import quant, reference
+from .layouts import FORMAT_NAMES, KVFormat, KVFormatPair, KVLayer, PagedKVCache, kv_format, kv_formats
+from .reference import flatten_kv_reference, write_kv_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["FORMAT_NAMES", "KVFormat", "KVFormatPair", "kv_format", "kv_formats", "__version__"]
+__all__ = [
+    "FORMAT_NAMES", "KVFormat", "KVFormatPair", "KVLayer", "PagedKVCache", "kv_format", "kv_formats",
+    "flatten_kv_reference", "write_kv_reference", "quant", "reference", "__version__",
+]
