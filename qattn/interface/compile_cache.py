@@ -137,6 +137,7 @@ class CompileCache:
         if d is None:
             return build(), "compiled", None
         d.mkdir(parents=True, exist_ok=True)
+        _load_runtime_libraries()
         name = f"{self.kind}_{key_hash(key)}"
         obj = d / f"{name}.o"
         lock = d / f"{name}.lock"
@@ -160,6 +161,19 @@ class CompileCache:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return compiled, "compiled", str(obj)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_runtime_libraries() -> None:
+    """Load CuTe-DSL's runtime libraries with RTLD_GLOBAL once: exporting an object resolves the CUDA runtime
+    symbols (cudaLaunchKernelEx...) through them, and a loaded object calls into them."""
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for path in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def _try_load(obj: Path, name: str):

@@ -1,0 +1,69 @@
+"""Registry of compilable kernel variants: what ``qattn-warmup`` enumerates and the launchers compile.
+
+A kernel family registers an enumerator ``fn(arch, **filters) -> list[Variant]``; a :class:`Variant` knows its
+cache key and how to build itself for its arch (``compile_for_arch``: the ``--gpu-arch`` option, which also
+works on a machine without a GPU). Launchers and the CLI go through the same :class:`CompileCache` per kind, so a variant compiled by
+the CLI is the one a launcher loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .compile_cache import CompileCache
+
+ARCHES = ("sm_90a", "sm_100a")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str  # kernel kind: "fp4_dequant", "decode", "insert", ...
+    key: tuple  # full structural key, arch included
+    label: str  # short human description for tables
+    build: Callable[[], Any] = field(compare=False, repr=False)
+
+
+_ENUMERATORS: dict[str, Callable[..., list[Variant]]] = {}
+_CACHES: dict[str, CompileCache] = {}
+
+
+def register(kind: str):
+    """Decorator: register the variant enumerator of a kernel kind."""
+    def deco(fn):
+        _ENUMERATORS[kind] = fn
+        return fn
+    return deco
+
+
+def kinds() -> list[str]:
+    _import_families()
+    return sorted(_ENUMERATORS)
+
+
+def enumerate_variants(kind: str, arch: str, **filters) -> list[Variant]:
+    _import_families()
+    if kind not in _ENUMERATORS:
+        raise ValueError(f"kernels: unknown kernel kind {kind!r}; known: {sorted(_ENUMERATORS)}")
+    return _ENUMERATORS[kind](arch, **filters)
+
+
+def cache_for(kind: str) -> CompileCache:
+    if kind not in _CACHES:
+        _CACHES[kind] = CompileCache(kind)
+    return _CACHES[kind]
+
+
+def supported_arch(device=None) -> str:
+    """The arch name of a CUDA device, or a clear error when qattn has no kernels for it."""
+    from ..cute_kernels.compile_utils import device_arch
+
+    arch = device_arch(device)
+    if arch not in ARCHES:
+        raise RuntimeError(f"qattn kernels need an SM90 (Hopper) or SM100 (Blackwell) GPU; this one is {arch}")
+    return arch
+
+
+def _import_families() -> None:
+    # Importing a kernel family's module registers it; keep this list in step with the families.
+    from ..cute_kernels import fp4_rows  # noqa: F401

@@ -1,0 +1,125 @@
+"""``qattn-warmup``: compile a matrix of kernel variants into the persistent cache, on a GPU or CPU machine.
+
+Examples::
+
+    qattn-warmup --list
+    qattn-warmup --arch sm_90a,sm_100a --kernels fp4_dequant --kv-formats nvfp4,mxfp4 --head-dims 64,128
+    qattn-warmup --arch auto --jobs 4        # the local GPU's arch, 4 compile processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from .compile_cache import cache_root, cache_size
+from .variants import ARCHES, cache_for, enumerate_variants, kinds, supported_arch
+
+
+def _csv(s: str | None) -> list[str] | None:
+    return None if s is None else [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str | None) -> list[int] | None:
+    return None if s is None else [int(x) for x in _csv(s)]
+
+
+def _filters(args) -> dict:
+    return {"kv_formats": _csv(args.kv_formats), "head_dims": _ints(args.head_dims), "gqa": _ints(args.gqa),
+            "page_sizes": _ints(args.page_sizes)}
+
+
+def _compile_one(kind: str, arch: str, index: int, filters: dict):
+    """Worker: compile (or load) variant ``index``; returns (source, seconds, path, error)."""
+    v = enumerate_variants(kind, arch, **filters)[index]
+    t0 = time.perf_counter()
+    try:
+        cache = cache_for(kind)
+        cache.get(v.key, v.build)
+        ev = cache.events[-1] if cache.events else None
+        return (ev.source if ev else "memory", time.perf_counter() - t0, ev.path if ev else None, None)
+    except Exception as e:  # reported in the table; the exit code says it failed
+        return ("failed", time.perf_counter() - t0, None, f"{type(e).__name__}: {e}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="qattn-warmup", description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="auto", help=f"comma list of {ARCHES} or 'auto' (the local GPU)")
+    p.add_argument("--kernels", default=None, help="comma list of kernel kinds (default: all); see --list")
+    p.add_argument("--kv-formats", default=None, help="comma list of KV format names")
+    p.add_argument("--head-dims", default=None, help="comma list, e.g. 64,128")
+    p.add_argument("--gqa", default=None, help="comma list of query heads per kv head")
+    p.add_argument("--page-sizes", default=None, help="comma list of page sizes")
+    p.add_argument("--jobs", type=int, default=1, help="compile processes")
+    p.add_argument("--list", action="store_true", help="list the variants and exit")
+    p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")
+    args = p.parse_args(argv)
+
+    if args.arch == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--arch auto needs a GPU; name the arch (e.g. --arch sm_90a) to compile on a CPU machine")
+        arches = [supported_arch()]
+    else:
+        arches = _csv(args.arch)
+        bad = [a for a in arches if a not in ARCHES]
+        if bad:
+            p.error(f"--arch: unknown {bad}; expected {ARCHES}")
+    wanted = _csv(args.kernels) or kinds()
+    unknown = [k for k in wanted if k not in kinds()]
+    if unknown:
+        p.error(f"--kernels: unknown {unknown}; known: {kinds()}")
+    filters = _filters(args)
+    jobs = [(k, a, i, v) for a in arches for k in wanted
+            for i, v in enumerate(enumerate_variants(k, a, **filters))]
+    if args.list or args.dry_run:
+        for k, a, _, v in jobs:
+            print(f"{a:8} {k:14} {v.label}")
+        print(f"{len(jobs)} variants" + ("" if cache_root() is None else f"; cache: {cache_root()}"))
+        return 0
+    if not jobs:
+        print("no variants match the filters", file=sys.stderr)
+        return 1
+
+    results = [None] * len(jobs)
+    t_all = time.perf_counter()
+
+    def progress(done: int) -> None:
+        bar = "#" * (30 * done // len(jobs))
+        print(f"\r[{bar:<30}] {done}/{len(jobs)}", end="", file=sys.stderr, flush=True)
+
+    if args.jobs <= 1:  # in this process: no start-up cost, and the in-memory caches stay warm
+        for n, (k, a, i, _) in enumerate(jobs):
+            results[n] = _compile_one(k, a, i, filters)
+            progress(n + 1)
+    else:
+        # spawn, not fork: a forked child inherits this process's MLIR/LLVM state and cannot export objects
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futs = {pool.submit(_compile_one, k, a, i, filters): n for n, (k, a, i, _) in enumerate(jobs)}
+            for done, fut in enumerate(as_completed(futs), 1):
+                results[futs[fut]] = fut.result()
+                progress(done)
+    print(file=sys.stderr)
+
+    print(f"{'arch':8} {'kernel':14} {'variant':46} {'status':9} {'seconds':>8} {'size':>9}")
+    failed = 0
+    for (k, a, _, v), (source, secs, path, err) in zip(jobs, results):
+        size = f"{os.path.getsize(path) / 1024:.0f} KiB" if path and os.path.exists(path) else "-"
+        status = {"compiled": "new", "disk": "cached", "memory": "cached"}.get(source, source)
+        print(f"{a:8} {k:14} {v.label:46} {status:9} {secs:8.2f} {size:>9}")
+        if err:
+            failed += 1
+            print(f"    {err}")
+    sz = cache_size()
+    print(f"{len(jobs)} variants, {failed} failed, {time.perf_counter() - t_all:.1f} s; "
+          f"cache {cache_root()}: {sz['objects']} objects, {sz['bytes'] / 2**20:.1f} MiB")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
