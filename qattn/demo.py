@@ -66,9 +66,24 @@ def error_table(batch=2, seqlen=1000, num_heads=16, num_kv_heads=4, head_dim=128
     return rows
 
 
-def compile_report():
-    from .cute_kernels.fp4_rows import compile_report as report
-    return report()
+def compile_report() -> list[str]:
+    """Compile the FP4 row kernels for both arches and say what their PTX contains."""
+    from .cute_kernels.compile_utils import compile_for_arch, ptx_count
+    from .cute_kernels.fp4_rows import make_dequant_compile_args, make_quantize_compile_args
+
+    lines = []
+    for arch in ("sm_90a", "sm_100a"):
+        for what, make in (("FP4 dequantize rows", make_dequant_compile_args),
+                           ("FP4 quantize rows", make_quantize_compile_args)):
+            t0 = time.perf_counter()
+            cfg, args = make("nvfp4", 128)
+            _, ptx = compile_for_arch(cfg, *args, arch=arch)
+            counts = {name: ptx_count(ptx, pat) for name, pat in (
+                ("prmt", r"\bprmt\.b32"), ("cvt e4m3x2->f16x2", r"cvt\.rn\.f16x2\.e4m3x2"),
+                ("cvt f32->e4m3", r"cvt\.rn\.satfinite\.e4m3x2"), ("16-byte loads", r"ld\.global\.v4"))}
+            found = ", ".join(f"{n} x{c}" for n, c in counts.items() if c)
+            lines.append(f"{arch}  {what:20} nvfp4 D128  {time.perf_counter() - t0:5.2f} s  PTX: {found}")
+    return lines
 
 
 def main(argv=None) -> int:
