@@ -1,0 +1,1 @@
+"""A/B benchmark harness: ``python -m qattn.bench {decode,prefill,insert}`` (see ``--help``)."""

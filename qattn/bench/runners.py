@@ -1,0 +1,189 @@
+"""The three benchmarks: paged decode, dense prefill, KV insert. Each returns rows (dicts) for report.py.
+
+Inputs are random (never zeros); every implementation of a config sees identical inputs; errors are taken
+against an fp64 reference over unquantized inputs on the first few sequences (what a user loses in total:
+format error plus kernel error). A qattn entry point that does not exist yet gives a row saying so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layouts import PagedKVCache, kv_formats
+from ..reference import attention_reference
+from . import peers as P
+from .metrics import DecodeShape, PrefillShape, attention_flops, decode_bytes, errors, insert_bytes
+from .timing import bench
+
+DECODE_SHAPES = [DecodeShape(32, 8192, 32, 8, 128, 128), DecodeShape(8, 32768, 32, 8, 128, 128),
+                 DecodeShape(128, 2048, 32, 8, 128, 128), DecodeShape(1, 131072, 32, 8, 128, 128),
+                 DecodeShape(32, 8192, 32, 8, 128, 16)]
+PREFILL_SHAPES = [PrefillShape(2, s, 16, 16, d, c) for d in (128, 64) for s in (2048, 4096, 8192, 16384)
+                  for c in (False, True)]
+
+
+def _ours(name: str):
+    import qattn
+
+    return getattr(qattn, name, None)
+
+
+def _fill(cache: PagedKVCache, k, v, table):
+    """Write dense (B, S, H, D) K/V into the cache's pages given by ``table``: the insert kernel when it
+    exists, else the reference writer (same bytes)."""
+    B, S = k.shape[:2]
+    pos = torch.arange(S, device=k.device)
+    slots = (table.long()[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size).flatten()
+    write = _ours("write_kv")
+    if write is None:
+        from ..reference import write_kv_reference as write
+    for start in range(0, B * S, 1 << 16):  # chunks bound the reference's temporaries
+        sl = slice(start, start + (1 << 16))
+        write(cache, 0, k.flatten(0, 1)[sl], v.flatten(0, 1)[sl], slots[sl])
+
+
+def _row(config, impl, fmt, scope, t, nbytes=None, flops=None, copy_gbs=None, err=None, kv_bpt=None, note=""):
+    r = {"config": config, "impl": impl, "kv_format": fmt, "scope": scope, "note": note, "kv_bytes_per_token": kv_bpt}
+    if t is not None:
+        r.update(median_us=t.median_us, spread=t.spread)
+        if nbytes:
+            r["gbs"] = nbytes / (t.median_us * 1e-6) / 1e9
+            r["pct_copy"] = r["gbs"] / copy_gbs if copy_gbs else None
+        if flops:
+            r["tflops"] = flops / (t.median_us * 1e-6) / 1e12
+    if err is not None:
+        r.update(err.as_dict())
+    return r
+
+
+def _speedups(rows: list[dict], baseline: str) -> None:
+    for cfg in {r["config"] for r in rows}:
+        base = next((r for r in rows if r["config"] == cfg and r["impl"] == baseline and r.get("median_us")), None)
+        for r in rows:
+            if base is not None and r["config"] == cfg and r.get("median_us"):
+                r["speedup"] = base["median_us"] / r["median_us"]
+
+
+def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("fa4", "sdpa"), copy_gbs=None,
+               reps=30, err_seqs=2, log=print) -> tuple[list[dict], str]:
+    rows, dev = [], "cuda"
+    have = {p: P.available(p) for p in peers}
+    baseline = next((p for p in peers if have[p][0]), None)
+    for sh in shapes:
+        log(f"decode {sh.label}")
+        g = torch.Generator(device=dev).manual_seed(0)
+        B, S, H, Hk, D, Pg = sh.batch, sh.seqlen, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.page_size
+        q = torch.randn(B, sh.seqlen_q, H, D, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(B, S, Hk, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(B, S, Hk, D, device=dev, generator=g, dtype=torch.bfloat16)
+        per = -(-S // Pg)
+        table = torch.randperm(B * per, device=dev, generator=g).view(B, per).to(torch.int32)
+        lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+        e = min(B, err_seqs)
+        ref = attention_reference(q[:e], k[:e], v[:e], causal=True)
+        for p in peers:
+            ok, note = have[p]
+            if not ok:
+                rows.append(_row(sh.label, p, "bf16", "kernel", None, note=note))
+                continue
+            if p == "fa4":
+                kp = torch.empty(B * per * Pg, Hk, D, device=dev, dtype=torch.bfloat16).view(B * per, Pg, Hk, D)
+                vp = torch.empty_like(kp)
+                pad = per * Pg - S
+                kp[table.long()] = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(B, per, Pg, Hk, D)
+                vp[table.long()] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(B, per, Pg, Hk, D)
+                fn = P.fa4_paged_decode(q, kp, vp, table, lens)
+            else:
+                fn = P.sdpa_dense(q, k, v, causal=True)
+            out = fn()
+            t = bench(fn, warmup=5, reps=reps)
+            rows.append(_row(sh.label, p, "bf16", "kernel", t, decode_bytes(sh, "bf16"), copy_gbs=copy_gbs,
+                             err=errors(out[:e], ref), kv_bpt=2 * 2 * D))
+            del fn, out
+        attn = _ours("flash_attn_with_kvcache")
+        for fmt in formats:
+            kf, vf = kv_formats(fmt)
+            bpt = kf.bytes_per_token_head(D) + vf.bytes_per_token_head(D)
+            name = fmt if isinstance(fmt, str) else "+".join(fmt)
+            if attn is None:
+                rows.append(_row(sh.label, "qattn", name, "kernel", None, kv_bpt=bpt,
+                                 note="qattn.flash_attn_with_kvcache not built yet"))
+                continue
+            cache = PagedKVCache(1, B * per, Pg, Hk, D, fmt, device=dev)
+            _fill(cache, k, v, table)
+            fn = (lambda c=cache: attn(q, c, lens, table))
+            out = fn()
+            t = bench(fn, warmup=5, reps=reps)
+            rows.append(_row(sh.label, "qattn", name, "kernel", t, decode_bytes(sh, fmt), copy_gbs=copy_gbs,
+                             err=errors(out[:e], ref), kv_bpt=bpt))
+            del cache, fn, out
+        del q, k, v
+        torch.cuda.empty_cache()
+    if baseline:
+        _speedups(rows, baseline)
+    return rows, baseline or "-"
+
+
+def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, log=print):
+    rows, dev = [], "cuda"
+    have = {p: P.available(p) for p in peers}
+    baseline = next((p for p in peers if have[p][0]), None)
+    make = {"fa4": P.fa4_dense, "sage": P.sage_dense, "sdpa": P.sdpa_dense}
+    for sh in shapes:
+        log(f"prefill {sh.label}")
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(sh.batch, sh.seqlen, h, sh.head_dim, device=dev, generator=g, dtype=torch.bfloat16)
+                   for h in (sh.num_heads, sh.num_kv_heads, sh.num_kv_heads))
+        flops = attention_flops(sh.batch, sh.num_heads, sh.seqlen, sh.seqlen, sh.head_dim, sh.causal)
+        ref = attention_reference(q[:1, :1024], k[:1], v[:1], causal=sh.causal) if not sh.causal else None
+        impls = [(p, make[p]) for p in peers]
+        ours = _ours("flash_attn_func")
+        impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
+                      if ours else None))
+        for name, mk in impls:
+            ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
+            if not ok:
+                rows.append(_row(sh.label, name, None, "kernel", None, note=note))
+                continue
+            fn = mk(q, k, v, sh.causal)
+            out = fn()
+            t = bench(fn, warmup=3, reps=reps)
+            err = errors(out[:1, :1024], ref) if ref is not None else None
+            rows.append(_row(sh.label, name, None, "kernel", t, flops=flops, err=err))
+            del fn, out
+    if baseline:
+        _speedups(rows, baseline)
+    return rows, baseline or "-"
+
+
+def run_insert(num_tokens=65536, num_kv_heads=8, head_dim=128, page_size=16, formats=("nvfp4", "fp8", "bf16"),
+               copy_gbs=None, reps=30, log=print):
+    """KV insert: new (num_tokens, H, D) bf16 K/V into shuffled slots. The peer is torch's own bf16 paged
+    scatter (what an engine does without quantization)."""
+    rows, dev = [], "cuda"
+    label = f"{num_tokens // 1024}K tok H{num_kv_heads} D{head_dim} p{page_size}"
+    g = torch.Generator(device=dev).manual_seed(0)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    blocks = -(-num_tokens // page_size) + 8
+    slots = torch.randperm(blocks * page_size, device=dev, generator=g)[:num_tokens]
+    log(f"insert {label}")
+    kd = torch.empty(blocks * page_size, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    vd = torch.empty_like(kd)
+    t = bench(lambda: (kd.index_copy_(0, slots, k), vd.index_copy_(0, slots, v)), warmup=5, reps=reps)
+    rows.append(_row(label, "torch index_copy", "bf16", "kernel", t, insert_bytes(num_tokens, num_kv_heads,
+                                                                                  head_dim, "bf16"), copy_gbs=copy_gbs))
+    write = _ours("write_kv")
+    for fmt in formats:
+        name = fmt if isinstance(fmt, str) else "+".join(fmt)
+        if write is None:
+            rows.append(_row(label, "qattn write_kv", name, "kernel", None, note="qattn.write_kv not built yet"))
+            continue
+        cache = PagedKVCache(1, blocks, page_size, num_kv_heads, head_dim, fmt, device=dev)
+        t = bench(lambda c=cache: write(c, 0, k, v, slots), warmup=5, reps=reps)
+        rows.append(_row(label, "qattn write_kv", name, "kernel", t,
+                         insert_bytes(num_tokens, num_kv_heads, head_dim, fmt), copy_gbs=copy_gbs))
+    _speedups(rows, "torch index_copy")
+    return rows, "torch index_copy"
