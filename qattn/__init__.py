@@ -3,10 +3,12 @@
 from . import quant, reference
 from .layouts import FORMAT_NAMES, KVFormat, KVFormatPair, KVLayer, PagedKVCache, kv_format, kv_formats
 from .reference import flatten_kv_reference, write_kv_reference
+from .interface.kv_cache_ops import flatten_kv, inspect_kv, write_kv
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_NAMES", "KVFormat", "KVFormatPair", "KVLayer", "PagedKVCache", "kv_format", "kv_formats",
-    "flatten_kv_reference", "write_kv_reference", "quant", "reference", "__version__",
+    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "quant", "reference",
+    "__version__",
 ]

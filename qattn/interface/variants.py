@@ -67,3 +67,4 @@ def supported_arch(device=None) -> str:
 def _import_families() -> None:
     # Importing a kernel family's module registers it; keep this list in step with the families.
     from ..cute_kernels import fp4_rows  # noqa: F401
+    from ..cute_kernels import kv_flatten, kv_insert  # noqa: F401

@@ -1,0 +1,484 @@
+"""Fused quantize-and-insert of new K/V tokens into the paged cache (CuTe-DSL, SM90 and SM100).
+
+One kernel, :class:`KVInsert`, writes ``k`` and ``v`` (num_tokens, num_kv_heads, head_dim) bf16/fp16 into one
+layer's pools at ``slot_mapping`` (int64, ``block * page_size + offset``, -1 = skip), quantized to the cache's K
+format and V format (independent compile-time parameters: nvfp4, mxfp4 / mxfp4_b16 floor|rceil, fp8, int8,
+bf16) and, for caches with a recent window, also writes the unquantized row to
+``ring[seq_slot, head, position % W]``. The bytes equal ``qattn.reference.write_kv_reference`` bit for bit.
+
+Work split: one *row* is one (token, kv_head); ``G = head_dim / E`` consecutive threads share a row, each
+holding ``E`` = 32 values (16 when head_dim is not a multiple of 32): 16-byte loads of the input, 16-byte
+stores of the payload (8-byte for FP4 rows with E = 16). Block-scaled formats (16 / 32 values per scale) are
+quantized inside one thread; fp8 / int8 (one fp32 scale per row) reduce ``amax`` over the G threads of the row
+with butterfly shuffles (G is a power of two, and the G lanes of a row are aligned within a warp). A CTA of 128
+threads covers ``128 / G`` rows; the grid is ``ceil(num_tokens * num_kv_heads / rows_per_cta)``. K and V of a
+row are done by the same threads, one after the other. All arithmetic is IEEE fp32 in the reference's order:
+``div.rn`` for ``amax / qmax`` and ``amax / (g * 6)``, ``div.rn 1, d`` for reciprocals (only of normal
+divisors), RNE conversions (``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rni.s32.f32``, ``cvt.rn.bf16x2.f32``).
+
+Ring entries hit twice in one call (a prefill chunk longer than the window): the reference keeps the token with
+the largest position. The kernel writes a token's ring row unless token ``t + W`` of the same call (W = the
+window) is a kept token of the same ring slot at position ``pos + W`` (the token that overwrites it). This is
+exactly the reference when, for every ring entry that several tokens of the call hit, those tokens' sequence is
+laid out contiguously in the call with consecutive positions (how prefill chunks and decode batches are
+built). ``write_kv(..., check=True)`` verifies that precondition on the host (and the slot / position ranges);
+without ``check`` nothing is synchronised and a violation gives an unspecified (but in-bounds) ring entry.
+
+Pools and inputs are addressed with 32-bit element indices: the wrapper rejects (from shapes only) pools of
+>= 2^31 words or inputs of >= 2^31 values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from qattn.cute_kernels.common import fp4
+from qattn.interface.variants import Variant, cache_for, register
+from qattn.layouts.formats import KVFormat, kv_format
+
+__all__ = ["KVInsert", "make_insert_compile_args", "launch_insert", "INSERT_FORMATS"]
+
+INSERT_FORMATS = ("bf16", "fp8", "int8", "nvfp4", "mxfp4", "mxfp4_b16")
+_THREADS = 128
+_FP32_MIN_NORMAL = 2.0**-126
+
+
+# ------------------------------------------------------------------------------------------------
+# PTX helpers (pure register ops)
+# ------------------------------------------------------------------------------------------------
+PTX_BF16X2_TO_F32X2 = "{\n\tshl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xFFFF0000;\n\t}"
+PTX_F32X2_TO_BF16X2 = "cvt.rn.bf16x2.f32 $0, $2, $1;"  # first source -> upper half
+PTX_F32X2_TO_F16X2 = "cvt.rn.f16x2.f32 $0, $2, $1;"
+PTX_F32X4_TO_E4M3X4 = (
+    "{\n\t.reg .b16 lo, hi;\n\t"
+    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
+    "mov.b32 $0, {lo, hi};\n\t}"
+)
+PTX_F32X4_TO_S8X4 = (
+    "{\n\t.reg .s32 a, b, c, d, t;\n\t"
+    "cvt.rni.s32.f32 a, $1;\n\tcvt.rni.s32.f32 b, $2;\n\tcvt.rni.s32.f32 c, $3;\n\tcvt.rni.s32.f32 d, $4;\n\t"
+    "max.s32 a, a, -127;\n\tmax.s32 b, b, -127;\n\tmax.s32 c, c, -127;\n\tmax.s32 d, d, -127;\n\t"
+    "min.s32 a, a, 127;\n\tmin.s32 b, b, 127;\n\tmin.s32 c, c, 127;\n\tmin.s32 d, d, 127;\n\t"
+    "and.b32 t, a, 0xFF;\n\tbfi.b32 t, b, t, 8, 8;\n\tbfi.b32 t, c, t, 16, 8;\n\tbfi.b32 $0, d, t, 24, 8;\n\t}"
+)
+# Explicitly rounded fp32 ops: ptxas never contracts mul.rn / add.rn / sub.rn into an fma, so the order of
+# operations is exactly the one written (the transforms' references depend on it).
+PTX_MUL_RN = "mul.rn.f32 $0, $1, $2;"
+PTX_ADD_RN = "add.rn.f32 $0, $1, $2;"
+PTX_SUB_RN = "sub.rn.f32 $0, $1, $2;"
+
+
+def _asm(result_type, operands, text: str, constraints: str) -> ir.Value:
+    return llvm.inline_asm(result_type, operands, text, constraints, has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def bf16x2_to_f32x2(w, *, loc=None, ip=None):
+    res = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]), [Uint32(w).ir_value(loc=loc, ip=ip)],
+               PTX_BF16X2_TO_F32X2, "=f,=f,r")
+    return (Float32(llvm.extractvalue(T.f32(), res, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(T.f32(), res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def f32x2_to_16x2(lo, hi, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    text = PTX_F32X2_TO_BF16X2 if is_bf16 else PTX_F32X2_TO_F16X2
+    return Uint32(_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                       text, "=r,f,f"))
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
+    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+    return Uint32(_asm(T.i32(), ops, PTX_F32X4_TO_E4M3X4, "=r,f,f,f,f"))
+
+
+@dsl_user_op
+def f32x4_to_s8x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
+    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+    return Uint32(_asm(T.i32(), ops, PTX_F32X4_TO_S8X4, "=r,f,f,f,f"))
+
+
+@dsl_user_op
+def _binop(a, b, text: str, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                        text, "=f,f,f"))
+
+
+def mul_rn(a, b):
+    return _binop(a, b, PTX_MUL_RN)
+
+
+def sub_rn(a, b):
+    return _binop(a, b, PTX_SUB_RN)
+
+
+def add_rn(a, b):
+    return _binop(a, b, PTX_ADD_RN)
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel
+# ------------------------------------------------------------------------------------------------
+def _resolve(fmt, scale_rule=None) -> KVFormat:
+    if isinstance(fmt, KVFormat):
+        return fmt
+    return kv_format(fmt, scale_rule=scale_rule) if scale_rule else kv_format(fmt)
+
+
+class _Side:
+    """Constexpr facts of one side (K or V): its format and the per-thread vector widths."""
+
+    def __init__(self, fmt: KVFormat, head_dim: int, elems: int):
+        self.fmt = fmt
+        self.kind = {"bf16": "bf16", "e4m3": "fp8", "int8": "int8", "e2m1": "fp4"}[fmt.payload]
+        self.words = elems * fmt.bits // 32  # payload words per thread
+        self.vec = min(4, self.words)  # words per store (16 or 8 bytes)
+        self.row_words = head_dim * fmt.bits // 32
+        self.block = fmt.scale_block or 0
+        self.nvfp4 = fmt.scale_rule == "nvfp4"
+        self.rceil = fmt.scale_rule == "rceil"
+        self.scales_per_thread = elems // self.block if self.block else 0
+        self.scales_per_row = head_dim // self.block if self.block else 0
+        self.qmax = 448.0 if self.kind == "fp8" else 127.0
+
+
+class KVInsert:
+    """Quantize-and-insert for one (K format, V format, head_dim, input dtype, ring) combination.
+
+    ``KVInsert("nvfp4", "fp8", 128)``; ``__call__`` is the ``@cute.jit`` host entry taking raw global pointers
+    (inputs, payload pools and rings 16-byte aligned) plus the dynamic sizes. num_kv_heads, page_size and the
+    window are runtime values (no recompilation per model), formats and head_dim are compile-time.
+    """
+
+    def __init__(self, k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
+                 ring_bf16: bool = True):
+        kf, vf = _resolve(k_fmt), _resolve(v_fmt)
+        kf.check_head_dim(head_dim)
+        vf.check_head_dim(head_dim)
+        if head_dim % 16 or head_dim < 16 or (head_dim // (32 if head_dim % 32 == 0 else 16)) & (
+                head_dim // (32 if head_dim % 32 == 0 else 16) - 1):
+            raise ValueError(f"head_dim: {head_dim} is not supported by the insert kernel "
+                             "(needs head_dim / 32 (or / 16) to be a power of two: 16, 32, 64, 128, 256, 512)")
+        self.head_dim = head_dim
+        self.elems = 32 if head_dim % 32 == 0 else 16
+        if kf.scale_block == 32 or vf.scale_block == 32:
+            assert self.elems == 32
+        self.threads_per_row = head_dim // self.elems
+        self.rows_per_cta = max(1, _THREADS // self.threads_per_row)
+        self.threads = self.rows_per_cta * self.threads_per_row
+        self.in_bf16 = bool(in_bf16)
+        self.ring = bool(ring)
+        self.ring_bf16 = bool(ring_bf16)
+        self.k = _Side(kf, head_dim, self.elems)
+        self.v = _Side(vf, head_dim, self.elems)
+        self.in_chunks = self.elems // 8  # 16-byte input vectors per thread
+
+    @property
+    def key(self) -> tuple:
+        return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16)
+
+    # --------------------------------------------------------------------------------------------
+    def _data_tensor(self, side: _Side, ptr, rows):
+        return cute.make_tensor(ptr, cute.make_layout((side.vec, side.words // side.vec, self.threads_per_row, rows),
+                                                      stride=(1, side.vec, side.words, side.row_words)))
+
+    def _scale_tensor(self, side: _Side, ptr, rows):
+        if side.block:
+            return cute.make_tensor(ptr, cute.make_layout((side.scales_per_thread, self.threads_per_row, rows),
+                                                          stride=(1, side.scales_per_thread, side.scales_per_row)))
+        return cute.make_tensor(ptr, cute.make_layout((rows,)))
+
+    def _vec16_tensor(self, ptr, rows):
+        # 16-bit rows (inputs, rings): (4 words, chunk, thread-in-row, row)
+        return cute.make_tensor(ptr, cute.make_layout((4, self.in_chunks, self.threads_per_row, rows),
+                                                      stride=(1, 4, self.elems // 2, self.head_dim // 2)))
+
+    @cute.jit
+    def __call__(
+        self,
+        k_in: cute.Pointer,  # Uint32 view of k (T, H, D) bf16/fp16, contiguous, 16-byte aligned
+        v_in: cute.Pointer,
+        slots: cute.Pointer,  # Int64 (T,)
+        seq_slots: cute.Pointer,  # Int64 (T,) (ring caches; any pointer otherwise)
+        positions: cute.Pointer,  # Int64 (T,)
+        k_data: cute.Pointer,  # Uint32 view of the K data pool, 16-byte aligned
+        k_scale: cute.Pointer,  # Uint8 (block scales) / Float32 (row scales) / any (bf16)
+        k_gscale: cute.Pointer,  # Float32 (H,) (nvfp4; any pointer otherwise)
+        v_data: cute.Pointer,
+        v_scale: cute.Pointer,
+        v_gscale: cute.Pointer,
+        k_ring: cute.Pointer,  # Uint32 view of (max_seqs, H, W, D) 16-bit ring (ring caches; any otherwise)
+        v_ring: cute.Pointer,
+        num_tokens: Int32,
+        num_heads: Int32,
+        page_size: Int32,
+        window: Int32,
+        pool_rows: Int32,  # num_blocks * H * page_size
+        ring_rows: Int32,  # max_seqs * H * window
+        stream: cuda.CUstream,
+    ):
+        rows = num_tokens * num_heads
+        mKin = self._vec16_tensor(k_in, rows)
+        mVin = self._vec16_tensor(v_in, rows)
+        mSlot = cute.make_tensor(slots, cute.make_layout((num_tokens,)))
+        mSeq = cute.make_tensor(seq_slots, cute.make_layout((num_tokens,)))
+        mPos = cute.make_tensor(positions, cute.make_layout((num_tokens,)))
+        mKd = self._data_tensor(self.k, k_data, pool_rows)
+        mVd = self._data_tensor(self.v, v_data, pool_rows)
+        mKs = self._scale_tensor(self.k, k_scale, pool_rows)
+        mVs = self._scale_tensor(self.v, v_scale, pool_rows)
+        mKg = cute.make_tensor(k_gscale, cute.make_layout((num_heads,)))
+        mVg = cute.make_tensor(v_gscale, cute.make_layout((num_heads,)))
+        mKr = self._vec16_tensor(k_ring, ring_rows)
+        mVr = self._vec16_tensor(v_ring, ring_rows)
+        grid_x = (rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr,
+                    num_tokens, num_heads, page_size, window).launch(
+            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mKin: cute.Tensor, mVin: cute.Tensor, mSlot: cute.Tensor, mSeq: cute.Tensor,
+               mPos: cute.Tensor, mKd: cute.Tensor, mKs: cute.Tensor, mKg: cute.Tensor, mVd: cute.Tensor,
+               mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, num_tokens: Int32,
+               num_heads: Int32, page_size: Int32, window: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
+        part = tidx % self.threads_per_row
+        token = row // num_heads
+        head = row - token * num_heads
+        # Both inputs are loaded first (for every in-range token, skipped ones too: in bounds and harmless), so
+        # the 16-byte loads of K and V and the slot load are all in flight together.
+        vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+        rKin = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
+        rVin = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
+        rKin.fill(Uint32(0))
+        rVin.fill(Uint32(0))
+        slot = Int64(-1)
+        if token < num_tokens:
+            slot = mSlot[token]
+            for ci in cutlass.range_constexpr(self.in_chunks):
+                cute.copy(vec128, mKin[None, ci, part, row], rKin[None, ci])
+                cute.copy(vec128, mVin[None, ci, part, row], rVin[None, ci])
+        valid = slot >= Int64(0)
+        s32 = Int32(slot)
+        blk = s32 // page_size
+        pool_row = (blk * num_heads + head) * page_size + (s32 - blk * page_size)
+
+        ring_ok = valid
+        ring_row = Int32(0)
+        if cutlass.const_expr(self.ring):
+            if valid:
+                seq = mSeq[token]
+                pos = mPos[token]
+                nxt = token + window
+                if nxt < num_tokens:
+                    if mSlot[nxt] >= Int64(0):
+                        if mSeq[nxt] == seq:
+                            if mPos[nxt] == pos + Int64(window):
+                                ring_ok = False
+                ring_row = (Int32(seq) * num_heads + head) * window + Int32(pos % Int64(window))
+
+        self._side(self.k, rKin, mKd, mKs, mKg, mKr, head, part, pool_row, valid, ring_ok, ring_row)
+        self._side(self.v, rVin, mVd, mVs, mVg, mVr, head, part, pool_row, valid, ring_ok, ring_row)
+
+    @cute.jit
+    def _side(self, side: cutlass.Constexpr, rIn: cute.Tensor, mD: cute.Tensor, mS: cute.Tensor,
+              mG: cute.Tensor, mR: cute.Tensor, head: Int32, part: Int32, pool_row: Int32,
+              valid: cutlass.Boolean, ring_ok: cutlass.Boolean, ring_row: Int32):
+        E = self.elems
+        vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+        rX = cute.make_rmem_tensor((E,), Float32)
+        for w in cutlass.range_constexpr(E // 2):
+            if cutlass.const_expr(self.in_bf16):
+                lo, hi = bf16x2_to_f32x2(rIn[w % 4, w // 4])
+            else:
+                lo, hi = fp4.f16x2_to_f32x2(rIn[w % 4, w // 4])
+            rX[2 * w] = lo
+            rX[2 * w + 1] = hi
+
+        # --- the unquantized row into the ring ---------------------------------------------------
+        if cutlass.const_expr(self.ring):
+            if ring_ok:
+                rR = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
+                for w in cutlass.range_constexpr(E // 2):
+                    if cutlass.const_expr(self.ring_bf16 == self.in_bf16):
+                        rR[w % 4, w // 4] = rIn[w % 4, w // 4]
+                    else:
+                        rR[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], self.ring_bf16)
+                for cr in cutlass.range_constexpr(self.in_chunks):
+                    cute.copy(vec128, rR[None, cr], mR[None, cr, part, ring_row])
+
+        # --- quantize ------------------------------------------------------------------------------
+        rP = cute.make_rmem_tensor((side.vec, side.words // side.vec), Uint32)
+        if cutlass.const_expr(side.kind == "bf16"):
+            for w in cutlass.range_constexpr(E // 2):
+                if cutlass.const_expr(self.in_bf16):
+                    rP[w % 4, w // 4] = rIn[w % 4, w // 4]
+                else:
+                    rP[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], True)
+        elif cutlass.const_expr(side.kind == "fp8" or side.kind == "int8"):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(E):
+                amax = cute.arch.fmax(amax, abs(rX[i]))
+            off = self.threads_per_row // 2
+            while cutlass.const_expr(off >= 1):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
+                off = off // 2
+            s = amax / Float32(side.qmax)
+            inv = Float32(0.0)
+            if s >= Float32(_FP32_MIN_NORMAL):
+                inv = fp4.rcp_rn(s)
+            for w in cutlass.range_constexpr(side.words):
+                y0 = rX[4 * w] * inv
+                y1 = rX[4 * w + 1] * inv
+                y2 = rX[4 * w + 2] * inv
+                y3 = rX[4 * w + 3] * inv
+                if cutlass.const_expr(side.kind == "fp8"):
+                    rP[w % side.vec, w // side.vec] = f32x4_to_e4m3x4(y0, y1, y2, y3)
+                else:
+                    rP[w % side.vec, w // side.vec] = f32x4_to_s8x4(y0, y1, y2, y3)
+            if valid:
+                if part == 0:
+                    mS[pool_row] = s
+        else:  # FP4
+            rS = cute.make_rmem_tensor((side.scales_per_thread,), Uint8)
+            g = Float32(1.0)
+            if cutlass.const_expr(side.nvfp4):
+                g = mG[head]
+            for b in cutlass.range_constexpr(side.scales_per_thread):
+                amax = Float32(0.0)
+                for i in cutlass.range_constexpr(side.block):
+                    amax = cute.arch.fmax(amax, abs(rX[b * side.block + i]))
+                mul = Float32(0.0)
+                if cutlass.const_expr(side.nvfp4):
+                    den = g * Float32(6.0)
+                    t = amax / den
+                    sbyte = fp4.f32_to_e4m3_satfinite(t)
+                    sg = fp4.e4m3_to_f32(sbyte) * g
+                    if sg >= Float32(_FP32_MIN_NORMAL):
+                        mul = fp4.rcp_rn(sg)
+                    rS[b] = Uint8(sbyte)
+                else:
+                    if cutlass.const_expr(side.rceil):
+                        sbyte = fp4.mx_ue8m0_rceil(amax)
+                    else:
+                        sbyte = fp4.mx_ue8m0_floor(amax)
+                    mul = fp4.ue8m0_to_f32(Uint32(254) - sbyte)
+                    rS[b] = Uint8(sbyte)
+                for wj in cutlass.range_constexpr(side.block // 8):
+                    base = b * side.block + 8 * wj
+                    cds = [fp4.f32_to_e2m1(rX[base + k] * mul) for k in range(8)]
+                    w = base // 8
+                    rP[w % side.vec, w // side.vec] = fp4.pack_e2m1x8(*cds)
+            if valid:
+                cute.autovec_copy(rS, mS[None, part, pool_row])
+
+        if valid:
+            st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=32 * side.vec)
+            for cs in cutlass.range_constexpr(side.words // side.vec):
+                cute.copy(st, rP[None, cs], mD[None, cs, part, pool_row])
+
+
+# ==================================================================================================
+# compile and launch
+# ==================================================================================================
+def _scale_ptr_type(fmt: KVFormat):
+    if fmt.scale_block:
+        return Uint8, 4
+    return (Float32, 4) if fmt.is_quantized else (Uint8, 4)
+
+
+def make_insert_compile_args(k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
+                             ring_bf16: bool = True):
+    """(kernel object, args) to compile :class:`KVInsert` without a GPU (fake pointers, fake stream)."""
+    cfg = KVInsert(k_fmt, v_fmt, head_dim, in_bf16, ring, ring_bf16)
+    return cfg, _fake_args(cfg)
+
+
+def _fake_args(cfg: KVInsert):
+    def p(dt, a):
+        return cute.runtime.make_ptr(dt, 0, cute.AddressSpace.gmem, assumed_align=a)
+
+    ks, vs = _scale_ptr_type(cfg.k.fmt), _scale_ptr_type(cfg.v.fmt)
+    return (p(Uint32, 16), p(Uint32, 16), p(Int64, 8), p(Int64, 8), p(Int64, 8),
+            p(Uint32, 16), p(*ks), p(Float32, 4), p(Uint32, 16), p(*vs), p(Float32, 4),
+            p(Uint32, 16), p(Uint32, 16)) + tuple(Int32(1) for _ in range(6)) + (cute.runtime.make_fake_stream(),)
+
+
+def _compiled(cfg: KVInsert, arch: str):
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+
+    def build():
+        return compile_for_arch(cfg, *_fake_args(cfg), arch=arch, keep_ptx=False)[0]
+
+    return cache_for("kv_insert").get(("kv_insert", arch) + cfg.key, build)
+
+
+def _ptr(dtype, t, align: int):
+    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, lay, num_blocks: int,
+                  page_size: int, window: int, max_seqs: int) -> None:
+    """Launch on torch's current stream. Tensors must already be validated (kv_cache_ops.write_kv)."""
+    import torch
+
+    T_, H = int(k.shape[0]), int(k.shape[1])
+    if T_ == 0:
+        return
+    any16 = k  # a 16-byte aligned tensor for unused pointer slots
+
+    def scale_ptr(t, fmt):
+        if t is None:
+            return _ptr(Uint8, any16, 4)
+        return _ptr(Float32 if not fmt.scale_block else Uint8, t, 4)
+
+    gk = lay.k_global_scale if lay.k_global_scale is not None else any16
+    gv = lay.v_global_scale if lay.v_global_scale is not None else any16
+    kr = lay.k_ring if lay.k_ring is not None else any16
+    vr = lay.v_ring if lay.v_ring is not None else any16
+    seqs = seq_slots if seq_slots is not None else slots
+    pos = positions if positions is not None else slots
+    ptrs = (
+        _ptr(Uint32, k, 16), _ptr(Uint32, v, 16), _ptr(Int64, slots, 8), _ptr(Int64, seqs, 8), _ptr(Int64, pos, 8),
+        _ptr(Uint32, lay.k_data, 16), scale_ptr(lay.k_scale_pool, cfg.k.fmt), _ptr(Float32, gk, 4),
+        _ptr(Uint32, lay.v_data, 16), scale_ptr(lay.v_scale_pool, cfg.v.fmt), _ptr(Float32, gv, 4),
+        _ptr(Uint32, kr, 16), _ptr(Uint32, vr, 16),
+    )
+    fn = _compiled(cfg, arch)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    fn(*ptrs, Int32(T_), Int32(H), Int32(page_size), Int32(max(window, 1)), Int32(num_blocks * H * page_size),
+       Int32(max_seqs * H * max(window, 1)), stream)
+
+
+# ==================================================================================================
+# variants for qattn-warmup
+# ==================================================================================================
+@register("kv_insert")
+def _insert_variants(arch: str, kv_formats=None, head_dims=None, **_):
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+
+    names = [f for f in (kv_formats or INSERT_FORMATS) if f in INSERT_FORMATS]
+    out = []
+    for name in names:  # same format for K and V, bf16 input, no ring (mixed pairs compile on first use)
+        rules = ("floor", "rceil") if name.startswith("mxfp4") else (None,)
+        for rule in rules:
+            for d in head_dims or [64, 128, 256]:
+                f = _resolve(name, rule)
+                cfg = KVInsert(f, f, d)
+                build = (lambda cfg=cfg: compile_for_arch(cfg, *_fake_args(cfg), arch=arch, keep_ptx=False)[0])
+                label = f"{name}{'' if rule is None else ' ' + rule} D{d}"
+                out.append(Variant("kv_insert", ("kv_insert", arch) + cfg.key, label, build))
+    return out

@@ -1,0 +1,202 @@
+"""Torch entry points of the cache kernels: ``write_kv`` (fused quantize-and-insert), ``flatten_kv`` (paged ->
+dense bf16) and ``inspect_kv`` (a host-side probe of one token).
+
+Every launch goes on torch's current stream and never synchronises the host: shape / dtype / device checks
+always run (they read only metadata); checks of *values* (slot ranges, duplicate slots, ring preconditions,
+NaN) need the data on the host and run only with ``check=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layouts.paged import PagedKVCache
+
+__all__ = ["write_kv", "flatten_kv", "inspect_kv"]
+
+_MAX_I32 = 2**31 - 1
+
+
+def _norm(d: torch.device) -> torch.device:
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _tensor(t, name: str, dtypes, device, shape=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if _norm(t.device) != _norm(device):
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
+             seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             check: bool = False) -> None:
+    """Quantize ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) bf16/fp16 and write them into ``layer`` of
+    ``cache`` at ``slot_mapping`` (num_tokens,) int64 (``block * page_size + offset``; -1 skips the token:
+    nothing is written for it). One fused CuTe-DSL kernel launch on the current stream; the bytes equal
+    :func:`qattn.reference.write_kv_reference`.
+
+    For a cache with a recent window, ``seq_slots`` and ``positions`` (num_tokens,) int64 are required and
+    each kept token is also written, unquantized, to ``ring[seq_slot, :, position % W]``. Precondition when a
+    ring entry is hit by several tokens of one call: those tokens' sequence is contiguous in the call with
+    consecutive positions (prefill chunks, decode batches); then the largest position stays, as in the
+    reference. Slots must be distinct.
+
+    ``check=False`` (default): only metadata checks (types, shapes, devices, sizes); no host synchronisation,
+    so it is safe inside CUDA graphs. ``check=True`` also validates values (synchronises): slots in
+    ``[-1, capacity)`` and distinct, seq_slots in range, positions >= 0, the ring precondition above, and
+    finite k / v.
+    """
+    from ..cute_kernels import kv_insert
+    from .variants import supported_arch
+
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    lay = cache.layer(layer)
+    dev = cache.device
+    if dev.type != "cuda":
+        raise ValueError(f"cache: write_kv runs on a CUDA cache, this one is on {dev} "
+                         "(use qattn.write_kv_reference on the CPU)")
+    H, D = cache.num_kv_heads, cache.head_dim
+    _tensor(k, "k", (torch.bfloat16, torch.float16), dev)
+    if k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
+        raise ValueError(f"k: expected shape (num_tokens, {H}, {D}), got {tuple(k.shape)}")
+    n = k.shape[0]
+    _tensor(v, "v", (k.dtype,), dev, (n, H, D))
+    _tensor(slot_mapping, "slot_mapping", (torch.int64,), dev, (n,))
+    capacity = cache.num_blocks * cache.page_size
+    if capacity * H > _MAX_I32 or n * H * D > _MAX_I32:
+        raise ValueError("write_kv: the pools or the inputs exceed the kernel's 32-bit indexing; split the cache "
+                         "into more layers' worth of smaller pools or the call into smaller chunks")
+    for g in (cache.k_geometry, cache.v_geometry):
+        if g.num_blocks * H * g.page_size * g.row_bytes // 4 > _MAX_I32:
+            raise ValueError("write_kv: a data pool exceeds 2^31 32-bit words (kernel indexing)")
+    ring = bool(cache.recent_window)
+    if ring:
+        if seq_slots is None or positions is None:
+            raise ValueError("seq_slots: a cache with a recent window needs seq_slots and positions")
+        _tensor(seq_slots, "seq_slots", (torch.int64,), dev, (n,))
+        _tensor(positions, "positions", (torch.int64,), dev, (n,))
+        if cache.max_seqs * H * cache.recent_window * D > _MAX_I32:
+            raise ValueError("write_kv: the ring exceeds the kernel's 32-bit indexing")
+    elif seq_slots is not None or positions is not None:
+        raise ValueError("seq_slots: the cache has no recent window; pass neither seq_slots nor positions")
+    if check:
+        _check_values(cache, k, v, slot_mapping, seq_slots, positions)
+    if n == 0:
+        return
+    cfg = kv_insert.KVInsert(cache.k_format, cache.v_format, D, in_bf16=k.dtype == torch.bfloat16, ring=ring,
+                             ring_bf16=cache.dtype == torch.bfloat16)
+    with torch.cuda.device(dev):
+        arch = supported_arch(dev)
+        k16, v16 = _aligned16(k), _aligned16(v)
+        slots = slot_mapping.contiguous()
+        kv_insert.launch_insert(cfg, arch, k16, v16, slots,
+                                None if seq_slots is None else seq_slots.contiguous(),
+                                None if positions is None else positions.contiguous(),
+                                lay, cache.num_blocks, cache.page_size, cache.recent_window, cache.max_seqs)
+
+
+def _check_values(cache, k, v, slot_mapping, seq_slots, positions) -> None:
+    capacity = cache.num_blocks * cache.page_size
+    s = slot_mapping
+    bad = (s < -1) | (s >= capacity)
+    if bool(bad.any()):
+        raise ValueError(f"slot_mapping: values must be -1 or in [0, {capacity}), got {int(s[bad][0])}")
+    kept = s[s >= 0]
+    if kept.numel() != torch.unique(kept).numel():
+        raise ValueError("slot_mapping: the same slot appears twice")
+    for t, name in ((k, "k"), (v, "v")):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or Inf")
+    if not cache.recent_window:
+        return
+    keep = s >= 0
+    seqs, pos = seq_slots, positions
+    if bool(((seqs[keep] < 0) | (seqs[keep] >= cache.max_seqs)).any()):
+        raise ValueError(f"seq_slots: values must be in [0, {cache.max_seqs})")
+    if bool((pos[keep] < 0).any()):
+        raise ValueError("positions: values must be >= 0")
+    # The kernel's rule (token t yields its ring entry to token t + W of the same sequence at position + W)
+    # must pick the same tokens as the reference's rule (the largest position per ring entry).
+    n, W = s.numel(), cache.recent_window
+    idx = torch.arange(n, device=s.device)
+    nxt = idx + W
+    has = nxt < n
+    nc = nxt.clamp(max=max(n - 1, 0))
+    yielded = has & (s[nc] >= 0) & (seqs[nc] == seqs) & (pos[nc] == pos + W)
+    kernel_win = keep & ~yielded
+    entry = seqs.clamp(min=0) * W + pos.clamp(min=0) % W
+    newest = torch.full((cache.max_seqs * W,), -1, dtype=torch.long, device=s.device)
+    newest.scatter_reduce_(0, entry[keep], pos[keep], reduce="amax")
+    ref_win = keep & (pos == newest[entry])
+    if not torch.equal(kernel_win, ref_win):
+        raise ValueError("seq_slots/positions: several tokens of this call hit one ring entry and their sequence "
+                         "is not contiguous with consecutive positions; the kernel cannot keep the newest "
+                         "(split the call, or order each sequence's tokens contiguously)")
+    # both rules picking the same tokens also rules out two winners on one entry
+    if int(kernel_win.sum()) != torch.unique(entry[kernel_win]).numel():
+        raise ValueError("positions: the same (seq_slot, position) appears twice")
+
+
+def flatten_kv(cache: PagedKVCache, layer: int, block_table: torch.Tensor, cache_seqlens: torch.Tensor):
+    """Dense K and V (batch, max_len, num_kv_heads, head_dim) bf16 from the paged pools (zero past each
+    length); equals ``flatten_kv_reference(...)`` cast to bf16. ``max_len`` is read from ``cache_seqlens``
+    (one host synchronisation, to size the output)."""
+    from ..cute_kernels import kv_flatten
+
+    return kv_flatten.flatten_kv(cache, layer, block_table, cache_seqlens)
+
+
+def inspect_kv(cache: PagedKVCache, layer: int, block: int, offset: int, head: int) -> dict:
+    """Everything stored for one token of one kv head: a debugging probe (host-side torch indexing).
+
+    Returns a dict with, for ``"k"`` and ``"v"``: ``format`` (name), ``data_offset`` / ``scale_offset`` (byte
+    offsets from :class:`PoolGeometry`), ``payload`` (the raw row bytes, uint8), ``scales`` (raw scale bytes,
+    uint8, or None), ``scale_values`` (decoded fp32 scales, or None), ``global_scale`` (float or None) and
+    ``values`` (the decoded fp32 row, exactly what attention reads from the pages).
+    """
+    from ..quant.reference import dequantize, e4m3_decode, ue8m0_decode
+
+    lay = cache.layer(layer)
+    for val, lim, name in ((block, cache.num_blocks, "block"), (offset, cache.page_size, "offset"),
+                           (head, cache.num_kv_heads, "head")):
+        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < lim:
+            raise ValueError(f"{name}: expected an int in [0, {lim}), got {val!r}")
+    out = {}
+    for side, fmt, geo, data, sp, gs in (
+        ("k", cache.k_format, cache.k_geometry, lay.k_data, lay.k_scale_pool, lay.k_global_scale),
+        ("v", cache.v_format, cache.v_geometry, lay.v_data, lay.v_scale_pool, lay.v_global_scale),
+    ):
+        row = data[block, head, offset].cpu()
+        payload = row.contiguous().view(torch.uint8).clone()
+        scales = None if sp is None else sp[block, head, offset].cpu()
+        g = None if gs is None else gs[head].cpu()
+        values = dequantize(row, scales, fmt, g)
+        if scales is None:
+            sbytes, svals = None, None
+        elif fmt.scale_block is None:
+            sbytes, svals = scales.reshape(1).view(torch.uint8).clone(), scales.reshape(1).float()
+        else:
+            sbytes = scales.clone()
+            svals = e4m3_decode(scales) if fmt.scale_dtype == "e4m3" else ue8m0_decode(scales)
+        out[side] = {
+            "format": fmt.name, "data_offset": geo.data_offset(block, head, offset),
+            "scale_offset": geo.scale_offset(block, head, offset) if sp is not None else None,
+            "payload": payload, "scales": sbytes, "scale_values": svals,
+            "global_scale": None if g is None else float(g), "values": values,
+        }
+    return out

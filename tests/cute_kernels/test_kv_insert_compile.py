@@ -1,0 +1,126 @@
+"""CPU tests of the insert and flatten kernels: every shipped (K format, V format) pair compiles for sm_90a and
+sm_100a, and the PTX has the intended shape (128-bit accesses, no local memory, no approximate division, no
+flush-to-zero, explicit RNE conversions, butterfly shuffles for the per-row amax)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+
+from qattn.layouts.formats import kv_format
+
+pytestmark = pytest.mark.compile
+
+FORMATS = [("bf16", None), ("fp8", None), ("int8", None), ("nvfp4", None), ("mxfp4", "floor"), ("mxfp4", "rceil"),
+           ("mxfp4_b16", "floor"), ("mxfp4_b16", "rceil")]
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def _f(spec):
+    name, rule = spec
+    return kv_format(name, scale_rule=rule) if rule else kv_format(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_ptx(kspec, vspec, head_dim, arch, in_bf16=True, ring=False, ring_bf16=True):
+    from qattn.cute_kernels import compile_utils, kv_insert
+
+    cfg, args = kv_insert.make_insert_compile_args(_f(kspec), _f(vspec), head_dim, in_bf16, ring, ring_bf16)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    assert ptx
+    return ptx
+
+
+def _common(ptx, arch):
+    from qattn.cute_kernels.compile_utils import ptx_has
+
+    assert ptx_has(ptx, rf"^\s*\.target\s+{arch}\b")
+    assert not ptx_has(ptx, r"\.local\b"), "local memory"
+    assert not ptx_has(ptx, r"\.ftz\b"), "flush to zero"
+    assert not ptx_has(ptx, r"\b(rcp|div|sqrt)\.approx|div\.full"), "approximate division"
+
+
+def _store_count(spec, head_dim):
+    f = _f(spec)
+    elems = 32 if head_dim % 32 == 0 else 16
+    words = elems * f.bits // 32
+    return max(1, words // 4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", FORMATS, ids=lambda s: f"{s[0]}-{s[1]}")
+def test_same_format_compiles(spec, arch):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+
+    ptx = _insert_ptx(spec, spec, 128, arch)
+    _common(ptx, arch)
+    # input: 4 x 16-byte loads per thread for K and for V
+    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") == 8
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 2 * _store_count(spec, 128)
+    name = spec[0]
+    if name in ("fp8", "int8"):
+        assert ptx_count(ptx, r"\bshfl\.sync\.bfly") == 2 * 2  # log2(4 threads per row), K and V
+        assert ptx_has(ptx, r"\bdiv\.rn\.f32\b")
+        assert ptx_has(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32" if name == "fp8" else r"cvt\.rni\.s32\.f32")
+    else:
+        assert not ptx_has(ptx, r"\bshfl\.sync")
+    if name == "nvfp4":
+        assert ptx_has(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") and ptx_has(ptx, r"\bdiv\.rn\.f32\b")
+    if name.startswith("mxfp4"):
+        assert ptx_has(ptx, r"\bbfe\.u32\b")
+
+
+@pytest.mark.parametrize("kspec,vspec", list(itertools.product(FORMATS, FORMATS)),
+                         ids=lambda s: f"{s[0]}-{s[1]}")
+def test_every_pair_compiles_sm90(kspec, vspec):
+    _common(_insert_ptx(kspec, vspec, 64, "sm_90a"), "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("in_bf16,ring_bf16", [(True, True), (False, True), (True, False), (False, False)])
+def test_ring_variants_compile(in_bf16, ring_bf16, arch):
+    from qattn.cute_kernels.compile_utils import ptx_count
+
+    ptx = _insert_ptx(("nvfp4", None), ("int8", None), 128, arch, in_bf16, True, ring_bf16)
+    _common(ptx, arch)
+    # K and V ring rows (4 x 16 bytes each) + K payload (1) + V payload (2)
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 8 + 1 + 2
+    if in_bf16 != ring_bf16:
+        assert ptx_count(ptx, r"cvt\.rn\.(bf16|f16)x2\.f32") >= 16
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
+def test_other_head_dims(head_dim):
+    for spec in (("nvfp4", None), ("fp8", None), ("mxfp4", "floor"), ("bf16", None)):
+        _common(_insert_ptx(spec, spec, head_dim, "sm_90a"), "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", FORMATS[:5] + FORMATS[6:7], ids=lambda s: f"{s[0]}-{s[1]}")
+def test_flatten_compiles(spec, arch):
+    from qattn.cute_kernels import compile_utils, kv_flatten
+
+    cfg, args = kv_flatten.make_flatten_compile_args(_f(spec), _f(spec), 128)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    _common(ptx, arch)
+    # 4 x 16-byte bf16 output stores per thread, K and V
+    assert compile_utils.ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 8
+    if spec[0] in ("nvfp4", "mxfp4", "mxfp4_b16"):
+        assert not compile_utils.ptx_has(ptx, r"e2m1x2")  # the SM90 decode path
+
+
+def test_unsupported_head_dim():
+    from qattn.cute_kernels.kv_insert import KVInsert
+
+    with pytest.raises(ValueError, match="head_dim"):
+        KVInsert("fp8", "fp8", 96)
+
+
+def test_variants_registered():
+    from qattn.interface import variants
+
+    assert "kv_insert" in variants.kinds() and "kv_flatten" in variants.kinds()
+    vs = variants.enumerate_variants("kv_insert", "sm_90a", kv_formats=["nvfp4", "mxfp4"], head_dims=[128])
+    assert [v.label for v in vs] == ["nvfp4 D128", "mxfp4 floor D128", "mxfp4 rceil D128"]
