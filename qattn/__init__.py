@@ -3,12 +3,13 @@
 from . import quant, reference
 from .layouts import FORMAT_NAMES, KVFormat, KVFormatPair, KVLayer, PagedKVCache, kv_format, kv_formats
 from .reference import flatten_kv_reference, write_kv_reference
+from .interface.decode import flash_attn_with_kvcache
 from .interface.kv_cache_ops import flatten_kv, inspect_kv, write_kv
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_NAMES", "KVFormat", "KVFormatPair", "KVLayer", "PagedKVCache", "kv_format", "kv_formats",
-    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "quant", "reference",
+    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "flash_attn_with_kvcache", "quant", "reference",
     "__version__",
 ]

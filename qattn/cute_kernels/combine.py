@@ -1,0 +1,96 @@
+"""Split-KV combine: merge per-split partial outputs with their log-sum-exps.
+
+Each split s of a row wrote its normalized partial output O_s (fp32) and the natural-log LSE_s of its scores
+(-inf when the split saw no key). The exact merge is
+
+    M = max_s LSE_s,  w_s = exp(LSE_s - M),  O = sum_s w_s O_s / sum_s w_s,  LSE = M + log(sum_s w_s)
+
+(a row that no split saw gives O = 0, LSE = -inf). One warp per row (b, i_q, hq); each lane owns D/32 dims.
+The split loop is a runtime loop, so one compiled variant serves every ``num_splits``.
+
+Layouts (contiguous):
+    out_partial (num_splits, B, Sq, Hq, D) fp32     lse_partial (num_splits, B, Hq, Sq) fp32
+    out         (B, Sq, Hq, D) bf16 / f16            lse         (B, Hq, Sq) fp32
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+__all__ = ["CombineSplits"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_WARPS = 4
+
+
+class CombineSplits:
+    """``CombineSplits(head_dim, "bf16")``: one compiled variant per (head_dim, output dtype)."""
+
+    def __init__(self, head_dim: int, out_dtype: str):
+        if head_dim % 32:
+            raise ValueError(f"head_dim: the combine kernel needs a multiple of 32, got {head_dim}")
+        if out_dtype not in ("bf16", "f16"):
+            raise ValueError(f"out_dtype: expected 'bf16' or 'f16', got {out_dtype!r}")
+        self.D = head_dim
+        self.out_dtype = cutlass.BFloat16 if out_dtype == "bf16" else cutlass.Float16
+        self.key = ("combine", head_dim, out_dtype)
+
+    @cute.jit
+    def __call__(self, op_addr: Int64, lp_addr: Int64, o_addr: Int64, lse_addr: Int64,
+                 batch: Int32, seqlen_q: Int32, num_heads: Int32, num_splits: Int32, stream: cuda.CUstream):
+        num_rows = batch * seqlen_q * num_heads
+        self.kernel(op_addr, lp_addr, o_addr, lse_addr, batch, seqlen_q, num_heads, num_splits).launch(
+            grid=((num_rows + _WARPS - 1) // _WARPS, 1, 1), block=(32 * _WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, op_addr: Int64, lp_addr: Int64, o_addr: Int64, lse_addr: Int64,
+               batch: Int32, seqlen_q: Int32, num_heads: Int32, num_splits: Int32):
+        D = self.D
+        V = D // 32  # values per lane
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        R = bidx * _WARPS + tidx // 32  # row = (b * Sq + i_q) * Hq + hq
+        num_rows = batch * seqlen_q * num_heads
+        gmem = cute.AddressSpace.gmem
+        mOp = cute.make_tensor(cute.make_ptr(Float32, op_addr, gmem, assumed_align=4),
+                               cute.make_layout(num_splits * num_rows * D))
+        mLp = cute.make_tensor(cute.make_ptr(Float32, lp_addr, gmem, assumed_align=4),
+                               cute.make_layout(num_splits * num_rows))
+        mO = cute.make_tensor(cute.make_ptr(self.out_dtype, o_addr, gmem, assumed_align=2),
+                              cute.make_layout(num_rows * D))
+        mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4), cute.make_layout(num_rows))
+        if R < num_rows:
+            b = R // (seqlen_q * num_heads)
+            rem = R % (seqlen_q * num_heads)
+            i_q = rem // num_heads
+            hq = rem % num_heads
+            lrow = (b * num_heads + hq) * seqlen_q + i_q  # the (B, Hq, Sq) index of this row
+
+            st = cute.make_rmem_tensor((2 + V,), Float32)  # [M, L, acc...]; memory keeps the loops simple
+            st[0] = Float32(-math.inf)
+            for s in cutlass.range(num_splits, unroll=1):
+                st[0] = cute.arch.fmax(st[0], mLp[s * num_rows + lrow])
+            M = st[0]
+            M_use = Float32(cutlass.select_(M == Float32(-math.inf), Float32(0.0), M))
+            st[1] = Float32(0.0)
+            for v in cutlass.range_constexpr(V):
+                st[2 + v] = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                w = cute.math.exp2((mLp[s * num_rows + lrow] - M_use) * Float32(_LOG2E), fastmath=True)
+                st[1] = st[1] + w
+                for v in cutlass.range_constexpr(V):
+                    st[2 + v] = st[2 + v] + w * mOp[(s * num_rows + R) * D + v * 32 + lane]
+            L = st[1]
+            has = L > Float32(0.0)
+            inv = Float32(cutlass.select_(has, Float32(1.0) / L, Float32(0.0)))
+            for v in cutlass.range_constexpr(V):
+                mO[R * D + v * 32 + lane] = (st[2 + v] * inv).to(self.out_dtype)
+            if lane == 0:
+                mL[lrow] = Float32(cutlass.select_(has, M_use + cute.math.log(L, fastmath=True), Float32(-math.inf)))

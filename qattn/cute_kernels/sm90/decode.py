@@ -1,0 +1,592 @@
+"""SM90 paged decode attention that reads the quantized KV cache directly (issue 3, v0).
+
+One CTA = one (split, kv head, sequence). All query rows of the kv head are packed into the MMA M dimension
+(row r = i_q * group + h_in_group), so one pass over K/V serves the whole GQA group and every query token.
+
+Data path (no flatten-to-bf16 pass anywhere):
+
+    pools (gmem) --cp.async 16 B--> smem, raw bytes, 2 stages --LDS + dequant in registers--> mma.sync fragments
+
+* Loads: a tile is ``tile_n`` = 64 tokens. Because pages are powers of two, a tile is either a piece of one page
+  or several whole pages, and each piece is one contiguous run of payload bytes (and of scale bytes) in the pool
+  (layout "HND", docs/formats.md): every thread issues 16-byte cp.async vectors at ``PoolGeometry`` offsets. The
+  smem copy keeps the pool's row layout, so no shuffling happens on the way in.
+* MMA: warp-level ``mma.sync.m16n8k16`` (f32 accumulate). Why not wgmma for v0: wgmma wants B in shared memory,
+  so dequantized K or V would have to be written back to smem (extra smem traffic) or put in the A operand with
+  tokens as M (64 tokens per instruction, which is awkward for P.V where tokens are the reduction). mma.sync takes
+  both operands from registers, and because a reduction index (head_dim for QK^T, tokens for P.V) and a column
+  index (tokens for QK^T, head_dim for P.V) may be permuted freely as long as both operands agree, every thread
+  can own *contiguous* bytes of the packed rows:
+    - QK^T  (S = Q K^T; M = query rows, N = 8 tokens, K = 16 dims): lane (g, q) needs 4 dims of token g per
+      k-step; we give lane q the dims [q*D/4, (q+1)*D/4) of its token, i.e. one contiguous D/8-byte run of FP4
+      payload (one 16 B load at D=128), and load Q with the same dim permutation (once, from gmem).
+    - P.V   (O = P V; M = rows, K = 16 tokens, N = 8 dims): lane (g, q) needs tokens {2q, 2q+1, 2q+8, 2q+9} of
+      one dim per n-tile; we give lane g the dims [g*D/8, (g+1)*D/8) of those 4 tokens (contiguous bytes again),
+      decode them to f16x2 (dim pairs) and turn dim pairs into token pairs with one ``prmt`` each. Output column
+      g of n-tile j is then dim g*D/8 + j; the epilogue goes through smem anyway, so the permutation is free.
+    - P is the QK^T accumulator converted in registers (the usual FA2 identity), never touching smem.
+* Dequant: FP4 nibbles -> E4M3 bytes (prmt) -> f16x2 (cvt.rn.f16x2.e4m3x2) from ``common/fp4.py``; the block scale
+  is one f16x2 multiply (exact for nvfp4, see fp4.f16x2_mul). fp8 -> f16 by cvt, int8 -> f16 by the exact
+  "0x6400 magic" trick. Quantized operands run f16 MMAs (Q converted to f16 once); bf16 caches run bf16 MMAs.
+  Scales that do not vary along the MMA reduction are kept out of the operands and applied in fp32:
+  the nvfp4 K global scale is folded into the softmax scale, the V global scale into the output, per-token
+  fp8/int8 K scales multiply the fp32 scores and per-token V scales multiply P before it is rounded to f16.
+* Softmax: fp32 online softmax in the log2 domain (exp2, log2(e) folded into the scale), per 16-row tile.
+  Warps of one row tile that split the tokens of each tile merge their (m, l, O) in smem at the end.
+* Split-KV: split s of ``num_splits`` (grid x) takes a contiguous range of whole tiles and writes its normalized
+  fp32 partial O and natural-log LSE; ``combine.py`` merges them. num_splits = 1 writes the output directly.
+
+Known v0 limits (documented, checked by the launcher where they matter):
+* rows = seqlen_q * group <= 128; head_dim 64 / 128.
+* MX (UE8M0) scales are applied in f16: exact for scale exponents in [-24, 13] (block amax ~ 2^-22 .. 2^16);
+  outside that range values lose precision. fp8/int8 V scales go into P in f16 (subnormal below ~6e-5).
+* Block ids are clamped to [0, num_blocks) in the kernel (memory safety); validating them needs a host sync and is
+  the launcher's optional job.
+
+First numbers (H100, B32 x 8K, GQA 32/8, D128, CUDA-graph timing): bf16 361 us (2.97 TB/s of real bytes, on par
+with FA4's bf16 paged decode), fp8 194 us (2.85 TB/s), nvfp4 153 us (1.97 TB/s: the FP4 path is bound by the
+in-register decode and the per-tile load/compute serialization, not by HBM), mxfp4 169 us (64-token tiles).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.sm90.decode_config import DecodeConfig
+from qattn.layouts.formats import KVFormat
+
+__all__ = ["DecodeSm90", "FmtInfo"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+# ==================================================================================================
+# Private PTX helpers (not in common/fp4.py): MMA, packing, int8 / ue8m0 -> f16, byte permutes.
+# ==================================================================================================
+def _asm(result_type, operands, text: str, constraints: str):
+    return llvm.inline_asm(result_type, operands, text, constraints, has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _u(x, loc, ip):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _f(x, loc, ip):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mma_16816(a, b, c, bf16: bool, *, loc=None, ip=None):
+    """D = A B + C, one warp, m16n8k16, f32 accumulate. ``a``: 4 Uint32 (a0a1, a2a3, a4a5, a6a7 of the PTX
+    fragment), ``b``: 2 Uint32, ``c``: 4 Float32. Returns 4 Float32."""
+    t = "bf16" if bf16 else "f16"
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+    ops = [_u(x, loc, ip) for x in a] + [_u(x, loc, ip) for x in b] + [_f(x, loc, ip) for x in c]
+    st = llvm.StructType.get_literal([T.f32()] * 4)
+    res = _asm(st, ops, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def pack_f32x2(lo, hi, bf16: bool, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> one f16x2 / bf16x2 word (round to nearest), ``lo`` in the low half."""
+    t = "bf16x2" if bf16 else "f16x2"
+    return Uint32(_asm(T.i32(), [_f(lo, loc, ip), _f(hi, loc, ip)], f"cvt.rn.{t}.f32 $0, $2, $1;", "=r,f,f"))
+
+
+@dsl_user_op
+def bf16x2_to_f32x2(w, *, loc=None, ip=None):
+    """bf16x2 word -> (low, high) fp32, exact (a bf16 is the top half of an fp32)."""
+    text = ("{\n\t.reg .b32 t;\n\tshl.b32 t, $2, 16;\n\tmov.b32 $0, t;\n\t"
+            "and.b32 t, $2, 0xFFFF0000;\n\tmov.b32 $1, t;\n\t}")
+    st = llvm.StructType.get_literal([T.f32(), T.f32()])
+    res = _asm(st, [_u(w, loc, ip)], text, "=f,=f,r")
+    return (Float32(llvm.extractvalue(T.f32(), res, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(T.f32(), res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute: output byte i = byte ``sel`` nibble i of {b, a} (a = bytes 0..3, b = 4..7)."""
+    return Uint32(_asm(T.i32(), [_u(a, loc, ip), _u(b, loc, ip)], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r"))
+
+
+# $0, $1 <- $2: 4 int8 -> two f16x2, exact. Byte x -> f16 bits 0x6400 | (x ^ 0x80) = 1024 + (x + 128), then
+# subtract 1152 (0x6480): both steps exact in f16 (integers below 2048).
+_PTX_I8X4_TO_F16X4 = (
+    "{\n\t.reg .b32 x, p0, p1, c;\n\t"
+    "xor.b32 x, $2, 0x80808080;\n\t"
+    "prmt.b32 p0, x, 0x64646464, 0x4140;\n\t"
+    "prmt.b32 p1, x, 0x64646464, 0x4342;\n\t"
+    "mov.b32 c, 0x64806480;\n\t"
+    "sub.rn.f16x2 $0, p0, c;\n\t"
+    "sub.rn.f16x2 $1, p1, c;\n\t}"
+)
+
+
+@dsl_user_op
+def i8x4_to_f16x4(w, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32(), T.i32()])
+    res = _asm(st, [_u(w, loc, ip)], _PTX_I8X4_TO_F16X4, "=r,=r,r")
+    return (Uint32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+            Uint32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def f32_to_f16x2_bcast(x, *, loc=None, ip=None) -> Uint32:
+    """fp32 -> f16 (RN, saturating to inf as cvt does) in both halves of a word."""
+    text = "{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, $1;\n\tmov.b32 $0, {h, h};\n\t}"
+    return Uint32(_asm(T.i32(), [_f(x, loc, ip)], text, "=r,f"))
+
+
+@dsl_user_op
+def lg2_approx(x, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [_f(x, loc, ip)], "lg2.approx.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
+def ex2_approx(x, *, loc=None, ip=None) -> Float32:
+    # Pure (no side effects) so the compiler may schedule it freely; ex2(-inf) = +0.
+    return Float32(_asm(T.f32(), [_f(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+def _sel(cond, a, b, ty):
+    return ty(cutlass.select_(cond, ty(a), ty(b)))
+
+
+def _fmax(a, b):
+    return cute.arch.fmax(Float32(a), Float32(b))
+
+
+# ==================================================================================================
+# Format description (compile time)
+# ==================================================================================================
+class FmtInfo:
+    """What the kernel needs to know about one of the K / V formats."""
+
+    def __init__(self, fmt: KVFormat, head_dim: int):
+        self.fmt = fmt
+        self.kind = {"bf16": "bf16", "e4m3": "fp8", "int8": "int8", "e2m1": "fp4"}[fmt.payload]
+        self.rb = fmt.payload_bytes(head_dim)  # payload bytes per token-head row
+        self.srb = fmt.scale_bytes(head_dim)  # scale bytes per row (0: none)
+        self.scale = ("none" if fmt.scale_dtype is None else
+                      "row" if fmt.scale_block is None else fmt.scale_dtype)  # "none" | "row" | "e4m3" | "ue8m0"
+        self.sb = fmt.scale_block or 0
+        self.nscales = fmt.num_scales(head_dim)
+        self.has_global = fmt.has_global_scale
+        self.bf16 = self.kind == "bf16"  # MMA operand type: bf16 for bf16 caches, f16 for every quantized one
+        self.row_words = self.rb // 4
+
+
+# ==================================================================================================
+# The kernel
+# ==================================================================================================
+class DecodeSm90:
+    """Paged decode attention over a quantized cache, SM90, one compiled variant per :class:`DecodeConfig`.
+
+    ``__call__`` (host, ``@cute.jit``) takes raw device addresses (Int64) of every tensor, the runtime sizes and
+    a CUDA stream, and launches ``kernel`` on grid (num_splits, num_kv_heads, batch).
+
+    Tensors (all contiguous):
+        q          (B, Sq, Hq, D) bf16 / f16
+        k/v data   (num_blocks, H, page, row_elems), k/v scales (num_blocks, H, page[, nscales]), global (H,) fp32
+        block_table (B, max_blocks) int32, cache_seqlens (B,) int32
+        out        (B, Sq, Hq, D) q dtype        | split: out_partial (num_splits, B, Sq, Hq, D) fp32
+        lse        (B, Hq, Sq) fp32              | split: lse_partial (num_splits, B, Hq, Sq) fp32
+    """
+
+    def __init__(self, cfg: DecodeConfig):
+        self.cfg = cfg
+        self.D = cfg.head_dim
+        self.k = FmtInfo(cfg.k_fmt, self.D)
+        self.v = FmtInfo(cfg.v_fmt, self.D)
+        self.q_bf16 = cfg.q_dtype == "bf16"
+        self.out_dtype = cutlass.BFloat16 if self.q_bf16 else cutlass.Float16
+        self.T = cfg.num_threads
+        self.tpw = cfg.tile_n // cfg.token_groups  # tokens of a tile one warp handles
+        self.nchunks = self.tpw // 16
+        # smem: raw stage buffers (Uint32 vectors of 16 B) + the epilogue's merge buffers
+        self.vec = {}
+        for name, rb in (("kd", self.k.rb), ("ks", self.k.srb), ("vd", self.v.rb), ("vs", self.v.srb)):
+            self.vec[name] = cfg.tile_n * rb // 16  # 16-byte vectors per stage (0: no such buffer)
+        nbytes = sum(16 * n * cfg.stages for n in self.vec.values())
+        nbytes += 4 * cfg.num_warps * 16 * self.D + 2 * 4 * cfg.num_warps * 16
+        self.smem_bytes = nbytes + 16 * 8  # alignment slack
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
+        vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
+        bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
+        num_splits: Int32, scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(q_addr, kd_addr, ks_addr, kg_addr, vd_addr, vs_addr, vg_addr, bt_addr, sl_addr, o_addr,
+                    lse_addr, batch, seqlen_q, num_kv_heads, max_blocks, num_blocks, num_splits,
+                    scale_log2).launch(grid=(num_splits, num_kv_heads, batch), block=(self.T, 1, 1),
+                                       smem=self.smem_bytes, stream=stream)
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
+        vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
+        bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
+        num_splits: Int32, scale_log2: Float32,
+    ):
+        cfg = self.cfg
+        D, G, MT, TG, TN = self.D, cfg.group, cfg.row_tiles, cfg.token_groups, cfg.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        split, h, b = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        q4 = lane % 4
+        mt = warp % MT
+        tg = warp // MT
+        Hq = num_kv_heads * G
+        rows = seqlen_q * G
+        gmem = cute.AddressSpace.gmem
+
+        mQ = cute.make_tensor(cute.make_ptr(Uint32, q_addr, gmem, assumed_align=4),
+                              cute.make_layout(batch * seqlen_q * Hq * (D // 2)))
+        mBT = cute.make_tensor(cute.make_ptr(Int32, bt_addr, gmem, assumed_align=4),
+                               cute.make_layout(batch * max_blocks))
+        mSL = cute.make_tensor(cute.make_ptr(Int32, sl_addr, gmem, assumed_align=4), cute.make_layout(batch))
+        kv_len = mSL[b]
+
+        # ---- shared memory -------------------------------------------------------------------------------
+        smem = cutlass.memory.SmemAllocator()
+        S = cfg.stages
+        bufs = {}
+        for name in ("kd", "ks", "vd", "vs"):
+            n = self.vec[name]
+            if cutlass.const_expr(n > 0):
+                bufs[name] = smem.allocate_tensor(
+                    Uint32, cute.make_layout((4, n, S), stride=(1, 4, 4 * n)), byte_alignment=16)
+        sO = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16 * D), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
+        # word / byte / fp32 views of the stage buffers for the compute side: (index in stage, stage)
+        views = {}
+        for name, n in self.vec.items():
+            if cutlass.const_expr(n > 0):
+                base_ptr = bufs[name].iterator
+                views[name + "_w"] = cute.make_tensor(base_ptr, cute.make_layout((4 * n, S), stride=(1, 4 * n)))
+                views[name + "_b"] = cute.make_tensor(cute.recast_ptr(base_ptr, dtype=Uint8),
+                                                      cute.make_layout((16 * n, S), stride=(1, 16 * n)))
+                views[name + "_f"] = cute.make_tensor(cute.recast_ptr(base_ptr, dtype=Float32),
+                                                      cute.make_layout((4 * n, S), stride=(1, 4 * n)))
+
+        # ---- this split's tiles --------------------------------------------------------------------------
+        n_tiles = (kv_len + (TN - 1)) // TN
+        per = (n_tiles + num_splits - 1) // num_splits
+        t_begin = split * per
+        t_end = _sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
+        n_my = _sel(t_end > t_begin, t_end - t_begin, 0, Int32)
+
+        # ---- global scales folded into the softmax scale / output -------------------------------------
+        sl2 = scale_log2
+        if cutlass.const_expr(self.k.has_global):
+            mKG = cute.make_tensor(cute.make_ptr(Float32, kg_addr, gmem, assumed_align=4),
+                                   cute.make_layout(num_kv_heads))
+            sl2 = scale_log2 * mKG[h]
+        vg = Float32(1.0)
+        if cutlass.const_expr(self.v.has_global):
+            mVG = cute.make_tensor(cute.make_ptr(Float32, vg_addr, gmem, assumed_align=4),
+                                   cute.make_layout(num_kv_heads))
+            vg = mVG[h]
+
+        # ---- Q fragments (once): A operand of QK^T, in the dim permutation the K fragments use ----------
+        nk = D // 16
+        rQ = cute.make_rmem_tensor((4 * nk,), Uint32)
+        for i in cutlass.range_constexpr(4 * nk):
+            rQ[i] = Uint32(0)
+        lims = []
+        for hr in cutlass.range_constexpr(2):
+            r = mt * 16 + g + 8 * hr
+            i_q = r // G
+            # causal: query i sees keys j <= i + kv_len - Sq (FlashAttention's end-aligned mask)
+            lim = kv_len - 1
+            if cutlass.const_expr(cfg.causal):
+                lim = kv_len - seqlen_q + i_q
+            lims.append(_sel(lim < kv_len - 1, lim, kv_len - 1, Int32))  # padding rows: never past the end
+            if r < rows:
+                base = ((b * seqlen_q + i_q) * Hq + h * G + r % G) * (D // 2) + q4 * (D // 8)
+                for j in cutlass.range_constexpr(nk):
+                    rQ[4 * j + hr] = self._q_word(mQ[base + 2 * j])
+                    rQ[4 * j + 2 + hr] = self._q_word(mQ[base + 2 * j + 1])
+
+        # ---- running softmax state ------------------------------------------------------------------------
+        nn = D // 8
+        rO = cute.make_rmem_tensor((4 * nn,), Float32)
+        for i in cutlass.range_constexpr(4 * nn):
+            rO[i] = Float32(0.0)
+        rM = cute.make_rmem_tensor((2,), Float32)
+        rL = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            rM[i] = Float32(-math.inf)
+            rL[i] = Float32(0.0)
+
+        # ---- main loop: iteration `it` issues the loads of tile `it` and computes tile `it - 1` ----------
+        # (classic cp.async double buffering: the copy of the next tile overlaps the math of this one)
+        for it in cutlass.range(n_my + 1, unroll=1):
+            if it < n_my:
+                self._load_tile(bufs, t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks, num_blocks,
+                                num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+            cute.arch.cp_async_commit_group()
+            if it >= 1:
+                cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it-1 have landed ...
+                cute.arch.sync_threads()  # ... and everyone else's
+                self._compute_tile(views, (it - 1) % S, t_begin + it - 1, kv_len, lims, g, q4, tg, rQ, rO, rM,
+                                   rL, sl2)
+                cute.arch.sync_threads()  # the stage may be overwritten by the next iteration's loads
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue: per-warp state -> smem, then merge the token groups of each row tile ----------------
+        E2 = D // 8
+        for hr in cutlass.range_constexpr(2):
+            l = rL[hr]
+            l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
+            l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
+            row = warp * 16 + g + 8 * hr
+            sM[row] = rM[hr]
+            sL[row] = l
+        for j in cutlass.range_constexpr(nn):
+            for e in cutlass.range_constexpr(4):
+                row = warp * 16 + g + 8 * (e // 2)
+                dim = E2 * (2 * q4 + (e % 2)) + j
+                sO[row * D + dim] = rO[4 * j + e]
+        cute.arch.sync_threads()
+
+        total = MT * 16 * D
+        for k in cutlass.range(total // self.T, unroll=1):
+            i = tidx + k * self.T
+            row_c = i // D
+            d = i % D
+            mt_ = row_c // 16
+            rr = row_c % 16
+            M = Float32(-math.inf)
+            for t in cutlass.range_constexpr(TG):
+                M = _fmax(M, sM[(t * MT + mt_) * 16 + rr])
+            M_use = _sel(M == Float32(-math.inf), Float32(0.0), M, Float32)
+            L = Float32(0.0)
+            O = Float32(0.0)
+            for t in cutlass.range_constexpr(TG):
+                w = t * MT + mt_
+                f = ex2_approx(sM[w * 16 + rr] - M_use)
+                L = L + sL[w * 16 + rr] * f
+                O = O + sO[(w * 16 + rr) * D + d] * f
+            has = L > Float32(0.0)
+            O = O * _sel(has, vg / L, Float32(0.0), Float32)
+            lse = _sel(has, (M_use + lg2_approx(L)) * Float32(_LN2), Float32(-math.inf), Float32)
+            if row_c < rows:
+                i_q = row_c // G
+                hq = h * G + row_c % G
+                if cutlass.const_expr(cfg.split):
+                    mOp = cute.make_tensor(cute.make_ptr(Float32, o_addr, gmem, assumed_align=4),
+                                           cute.make_layout(num_splits * batch * seqlen_q * Hq * D))
+                    mOp[(((split * batch + b) * seqlen_q + i_q) * Hq + hq) * D + d] = O
+                    if d == 0:
+                        mLp = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
+                                               cute.make_layout(num_splits * batch * Hq * seqlen_q))
+                        mLp[((split * batch + b) * Hq + hq) * seqlen_q + i_q] = lse
+                else:
+                    mOut = cute.make_tensor(cute.make_ptr(self.out_dtype, o_addr, gmem, assumed_align=2),
+                                            cute.make_layout(batch * seqlen_q * Hq * D))
+                    mOut[((b * seqlen_q + i_q) * Hq + hq) * D + d] = O.to(self.out_dtype)
+                    if d == 0:
+                        mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
+                                              cute.make_layout(batch * Hq * seqlen_q))
+                        mL[(b * Hq + hq) * seqlen_q + i_q] = lse
+
+    # ==============================================================================================
+    # Device helpers (straight-line code, traced inline)
+    # ==============================================================================================
+    def _q_word(self, w):
+        """A q word (two q-dtype halves) in the QK MMA's operand type."""
+        if cutlass.const_expr(self.k.bf16 == self.q_bf16):
+            return Uint32(w)
+        if cutlass.const_expr(self.q_bf16):
+            lo, hi = bf16x2_to_f32x2(w)
+        else:
+            lo, hi = fp4.f16x2_to_f32x2(w)
+        return pack_f32x2(lo, hi, self.k.bf16)
+
+    def _load_tile(self, bufs, tile, stage, kv_len, b, h, tidx, mBT, max_blocks, num_blocks, num_kv_heads,
+                   kd_addr, ks_addr, vd_addr, vs_addr):
+        """Issue the cp.async copies of one tile (K and V payload and scales) into ``stage``.
+
+        A tile is cut into pieces of P = min(tile_n, page_size) tokens; a piece lies in one page, so its payload
+        (and its scales) are one contiguous run of the pool. Pieces past the sequence end are redirected to block 0
+        (always allocated) instead of branching: their tokens are masked in the math, so the bytes do not matter.
+        """
+        cfg = self.cfg
+        TN, page = cfg.tile_n, cfg.page_size
+        P = min(TN, page)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint32,
+                                   num_bits_per_copy=128)
+        gmem = cute.AddressSpace.gmem
+        for name, addr, rb in (("kd", kd_addr, self.k.rb), ("ks", ks_addr, self.k.srb),
+                               ("vd", vd_addr, self.v.rb), ("vs", vs_addr, self.v.srb)):
+            nv = self.vec[name]
+            if nv == 0:
+                continue
+            vpp = P * rb // 16  # vectors per piece
+            for k in range((nv + self.T - 1) // self.T):
+                v = tidx + k * self.T
+                if (k + 1) * self.T > nv:  # ragged last round: duplicate the last vector (same bytes, same place)
+                    v = _sel(v < nv, v, nv - 1, Int32)
+                piece = v // vpp
+                within = v % vpp
+                token0 = tile * TN + piece * P
+                valid = token0 < kv_len
+                bt_idx = _sel(valid, b * max_blocks + token0 // page, b * max_blocks, Int32)
+                blk = _sel(valid, mBT[bt_idx], 0, Int32)
+                blk = _sel(blk < num_blocks, blk, num_blocks - 1, Int32)
+                blk = _sel(blk > 0, blk, 0, Int32)
+                row = (Int64(blk) * Int64(num_kv_heads) + Int64(h)) * Int64(page) + Int64(token0 % page)
+                src_addr = addr + row * Int64(rb) + Int64(within * 16)
+                src = cute.make_tensor(cute.make_ptr(Uint32, src_addr, gmem, assumed_align=16), cute.make_layout(4))
+                cute.copy(atom, src, bufs[name][None, v, stage])
+
+    # ---- dequantized row slices ------------------------------------------------------------------------
+    def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn):
+        """``ndims`` values of token ``tok`` (tile-local) starting at dim ``dim0_dyn`` (dynamic; multiple of 8
+        for FP4, of 4 for 8-bit, of 2 for bf16), as ndims/2 words of 16-bit pairs in the MMA operand type
+        (f16 for quantized formats, with FP4 block scales applied; bf16 for bf16). Per-row fp32 scales are not
+        applied here."""
+        words = []
+        w = views[pre + "d_w"]
+        if cutlass.const_expr(f.kind == "bf16"):
+            base = tok * f.row_words + dim0_dyn // 2
+            for i in range(ndims // 2):
+                words.append(Uint32(w[base + i, stage]))
+        elif cutlass.const_expr(f.kind in ("fp8", "int8")):
+            base = tok * f.row_words + dim0_dyn // 4
+            for i in range(ndims // 4):
+                x = Uint32(w[base + i, stage])
+                if cutlass.const_expr(f.kind == "fp8"):
+                    lo, hi = fp4.e4m3x4_to_f16x4(x)
+                else:
+                    lo, hi = i8x4_to_f16x4(x)
+                words.append(lo)
+                words.append(hi)
+        else:  # fp4
+            base = tok * f.row_words + dim0_dyn // 8
+            sb = views[pre + "s_b"]
+            for i in range(ndims // 8):
+                x = Uint32(w[base + i, stage])
+                blk = (dim0_dyn + 8 * i) // f.sb
+                sbyte = Uint32(sb[tok * f.nscales + blk, stage])
+                if cutlass.const_expr(f.scale == "e4m3"):
+                    s2 = fp4.e4m3_to_f16x2(sbyte, 0)
+                else:
+                    s2 = f32_to_f16x2_bcast(fp4.ue8m0_to_f32(sbyte))
+                for hh in fp4.e2m1x8_to_f16x8(x):
+                    words.append(fp4.f16x2_mul(hh, s2))
+        return words
+
+    def _compute_tile(self, views, stage, tile, kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2):
+        """One warp's share of one tile: S = Q K^T, online softmax, O += P V."""
+        D, TN = self.D, self.cfg.tile_n
+        kf, vf = self.k, self.v
+        nk, nn = D // 16, D // 8
+        neg_inf = Float32(-math.inf)
+        t_base = tg * self.tpw
+        pos0 = tile * TN
+
+        # ---- S = Q K^T (scaled to the log2 domain, masked) ----
+        S = []
+        for c in range(self.nchunks):
+            Sc = []
+            for nt in range(2):
+                tok = t_base + 16 * c + 8 * nt + g
+                kw = self._row_slice(kf, views, "k", stage, tok, 0, D // 4, q4 * (D // 4))
+                acc = [Float32(0.0)] * 4
+                for j in range(nk):
+                    acc = mma_16816([rQ[4 * j], rQ[4 * j + 1], rQ[4 * j + 2], rQ[4 * j + 3]],
+                                    [kw[2 * j], kw[2 * j + 1]], acc, kf.bf16)
+                vals = []
+                for e in range(4):
+                    tok_e = t_base + 16 * c + 8 * nt + 2 * q4 + (e % 2)
+                    x = acc[e] * sl2
+                    if cutlass.const_expr(kf.scale == "row"):
+                        x = x * views["ks_f"][tok_e, stage]
+                    vals.append(_sel(pos0 + tok_e <= lims[e // 2], x, neg_inf, Float32))
+                Sc.append(vals)
+            S.append(Sc)
+
+        # ---- online softmax (rows g and g+8 of this warp's tile; a row lives in the 4 lanes of a quad) ----
+        for hr in range(2):
+            mx = neg_inf
+            for c in range(self.nchunks):
+                for nt in range(2):
+                    mx = _fmax(mx, _fmax(S[c][nt][2 * hr], S[c][nt][2 * hr + 1]))
+            mx = _fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = _fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_old = rM[hr]
+            m_new = _fmax(m_old, mx)
+            m_use = _sel(m_new == neg_inf, Float32(0.0), m_new, Float32)  # all masked so far: avoid inf - inf
+            corr = ex2_approx(m_old - m_use)
+            rM[hr] = m_new
+            psum = Float32(0.0)
+            for c in range(self.nchunks):
+                for nt in range(2):
+                    for k in range(2):
+                        p = ex2_approx(S[c][nt][2 * hr + k] - m_use)
+                        S[c][nt][2 * hr + k] = p
+                        psum = psum + p
+            rL[hr] = rL[hr] * corr + psum
+            for j in range(nn):
+                for k in range(2):
+                    rO[4 * j + 2 * hr + k] = rO[4 * j + 2 * hr + k] * corr
+
+        # ---- O += P V ----
+        for c in range(self.nchunks):
+            P = S[c]
+            if cutlass.const_expr(vf.scale == "row"):
+                # per-token V scale multiplies P (the reduction runs over tokens); sanitized past the end
+                for nt in range(2):
+                    for e in range(4):
+                        tok_e = t_base + 16 * c + 8 * nt + 2 * q4 + (e % 2)
+                        vs = _sel(pos0 + tok_e < kv_len, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                        P[nt][e] = P[nt][e] * vs
+            a = [pack_f32x2(P[0][0], P[0][1], vf.bf16), pack_f32x2(P[0][2], P[0][3], vf.bf16),
+                 pack_f32x2(P[1][0], P[1][1], vf.bf16), pack_f32x2(P[1][2], P[1][3], vf.bf16)]
+            vw = []
+            for off in (0, 1, 8, 9):
+                tok = t_base + 16 * c + 2 * q4 + off
+                ws = self._row_slice(vf, views, "v", stage, tok, 0, D // 8, g * (D // 8))
+                # bytes past the sequence end may be anything (NaN bf16, 0x7F E4M3 scales): P = 0 there,
+                # but 0 * NaN is NaN, so zero the values themselves.
+                ok = pos0 + tok < kv_len
+                vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+            for i in range(D // 16):
+                lo01 = prmt(vw[0][i], vw[1][i], 0x5410)
+                hi01 = prmt(vw[0][i], vw[1][i], 0x7632)
+                lo89 = prmt(vw[2][i], vw[3][i], 0x5410)
+                hi89 = prmt(vw[2][i], vw[3][i], 0x7632)
+                for j, bb in ((2 * i, (lo01, lo89)), (2 * i + 1, (hi01, hi89))):
+                    out = mma_16816(a, list(bb), [rO[4 * j + e] for e in range(4)], vf.bf16)
+                    for e in range(4):
+                        rO[4 * j + e] = out[e]

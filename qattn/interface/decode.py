@@ -1,0 +1,233 @@
+"""``flash_attn_with_kvcache``: paged decode attention over a quantized :class:`PagedKVCache` (SM90).
+
+A thin launcher: it validates on the host (shapes, dtypes, devices, geometry: never device *values*, so there is
+no host sync and a step can be captured in a CUDA graph), picks a compiled kernel from an in-memory dict keyed by
+everything that changes the code, and launches on torch's current stream. There is no fallback: an unsupported
+case raises a ``ValueError`` / ``TypeError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ..layouts.paged import PagedKVCache
+
+__all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for"]
+
+_KERNELS: dict = {}  # (arch, config key) -> compiled decode kernel; (arch, combine key) -> compiled combine
+_NUM_SMS: dict = {}
+_MAX_SEQLEN_Q = 16
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return "bf16" if dt == torch.bfloat16 else "f16"
+
+
+def _tile_n(cache: PagedKVCache) -> int:
+    """Tokens per KV tile: ``default_tile_n`` for the formats, or ``QATTN_DECODE_TILE_N`` (64 / 128; tuning)."""
+    from ..cute_kernels.sm90.decode_config import default_tile_n
+
+    v = os.environ.get("QATTN_DECODE_TILE_N")
+    if v is None:
+        return default_tile_n(cache.k_format, cache.v_format)
+    if v not in ("64", "128"):
+        raise ValueError(f"QATTN_DECODE_TILE_N: expected 64 or 128, got {v!r}")
+    return int(v)
+
+
+def _min_warps() -> int:
+    """Warps per CTA for small row counts: 4, or ``QATTN_DECODE_WARPS`` (4 / 8; tuning runs)."""
+    v = os.environ.get("QATTN_DECODE_WARPS", "4")
+    if v not in ("4", "8"):
+        raise ValueError(f"QATTN_DECODE_WARPS: expected 4 or 8, got {v!r}")
+    return int(v)
+
+
+def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool):
+    """The :class:`DecodeConfig` a call with these parameters uses."""
+    from ..cute_kernels.sm90.decode_config import DecodeConfig, row_tiles_for
+
+    tile_n = _tile_n(cache)
+    # 8 warps split a tile 8 ways only when it has 8 x 16 tokens
+    min_warps = _min_warps() if tile_n >= 128 else 4
+    return DecodeConfig(cache.k_format, cache.v_format, cache.head_dim, q_dtype, group,
+                        row_tiles_for(seqlen_q * group), cache.page_size, bool(causal), bool(split),
+                        tile_n=tile_n, min_warps=min_warps)
+
+
+def decode_compile_args():
+    """Placeholder arguments (fake addresses, fake stream) to compile a decode kernel without a GPU."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    return [Int64(0)] * 11 + [Int32(1)] * 6 + [Float32(1.0), cute.runtime.make_fake_stream()]
+
+
+def combine_compile_args():
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    return [Int64(0)] * 4 + [Int32(1)] * 4 + [cute.runtime.make_fake_stream()]
+
+
+def _check_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise ValueError(f"q: device {device} is sm_{major}{minor}; the decode kernel is built for SM90 (H100/H200) "
+                         "only (no fallback)")
+    return "sm_90a"
+
+
+def _get(key, build, args):
+    fn = _KERNELS.get(key)
+    if fn is None:
+        from ..cute_kernels.compile_utils import compile_for_arch
+
+        fn, _ = compile_for_arch(build(), *args, arch=key[0], keep_ptx=False)
+        _KERNELS[key] = fn
+    return fn
+
+
+def _check_vec(t, name: str, n: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    layer: int = 0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = True,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+):
+    """Attention of ``q`` (batch, seqlen_q, num_heads, head_dim) over the paged cache, FlashAttention style.
+
+    ``cache_seqlens`` (batch,) int32 and ``block_table`` (batch, max_blocks) int32 live on q's device: token t of
+    sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
+    (query i sees keys j <= i + len - seqlen_q). ``num_splits`` = 0 picks the split-KV count from host-known sizes.
+    Returns ``out`` (batch, seqlen_q, num_heads, head_dim) in q's dtype, and with ``return_lse`` also the
+    natural-log LSE (batch, num_heads, seqlen_q) fp32.
+
+    Block ids are not read on the host (that would sync); the kernel clamps them to the pool, so a bad table gives
+    wrong numbers, never an out-of-bounds access.
+    """
+    # ---- validation (host-known facts only) ----
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape (batch, seqlen_q, num_heads, head_dim), got {tuple(q.shape)}")
+    if not q.is_cuda:
+        raise ValueError(f"q: expected a CUDA tensor, got device {q.device}")
+    B, Sq, Hq, D = q.shape
+    H = cache.num_kv_heads
+    if D != cache.head_dim:
+        raise ValueError(f"q: head_dim {D} does not match the cache's {cache.head_dim}")
+    if D not in (64, 128):
+        raise ValueError(f"head_dim: {D} is not supported by the SM90 decode kernel (64 or 128)")
+    if Hq % H:
+        raise ValueError(f"q: {Hq} query heads is not a multiple of the cache's {H} kv heads")
+    group = Hq // H
+    if not 1 <= Sq <= _MAX_SEQLEN_Q:
+        raise ValueError(f"q: seqlen_q must be in [1, {_MAX_SEQLEN_Q}], got {Sq}")
+    if Sq * group > 128:
+        raise ValueError(f"q: seqlen_q * (num_heads / num_kv_heads) = {Sq} * {group} exceeds 128 rows per kv head "
+                         "(GQA ratio too large for this seqlen_q in kernel v0)")
+    if cache.device != q.device:
+        raise ValueError(f"cache: on {cache.device}, q on {q.device}")
+    if cache.recent_window:
+        raise ValueError("cache: caches with a recent-token window are not supported by the decode kernel yet")
+    if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {layer!r}")
+    _check_vec(cache_seqlens, "cache_seqlens", B, q.device)
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table: expected a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table: expected dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected shape ({B}, max_blocks >= 1), got {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table: expected device {q.device}, got {block_table.device}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    if q.numel() >= 2**31 // max(1, num_splits or 1):
+        raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != q.dtype:
+            raise TypeError(f"out: expected dtype {q.dtype}, got {out.dtype}")
+        if tuple(out.shape) != tuple(q.shape) or out.device != q.device or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
+    arch = _check_arch(q.device)
+
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    from ..cute_kernels.combine import CombineSplits
+    from ..cute_kernels.sm90.decode import DecodeSm90
+    from ..cute_kernels.sm90.decode_config import num_splits_heuristic
+
+    dev = q.device
+    if num_splits == 0:
+        if dev not in _NUM_SMS:
+            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_splits = num_splits_heuristic(B, H, block_table.shape[1] * cache.page_size, _NUM_SMS[dev],
+                                          tile_n=_tile_n(cache))
+    split = num_splits > 1
+    qd = _dtype_name(q.dtype)
+    cfg = decode_config_for(cache, qd, group, Sq, causal, split)
+
+    q = q.contiguous()
+    block_table = block_table.contiguous()
+    lay = cache.layer(layer)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+
+    def addr(t):
+        return Int64(0 if t is None else t.data_ptr())
+
+    with torch.cuda.device(dev):
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        kern = _get((arch,) + cfg.key, lambda: DecodeSm90(cfg), decode_compile_args())
+        if split:
+            o_part = torch.empty((num_splits, B, Sq, Hq, D), dtype=torch.float32, device=dev)
+            l_part = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=dev)
+            o_dst, l_dst = o_part, l_part
+        else:
+            o_dst, l_dst = out, lse
+        kern(addr(q), addr(lay.k_data), addr(lay.k_scale_pool), addr(lay.k_global_scale),
+             addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
+             addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
+             Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks),
+             Int32(num_splits), Float32(softmax_scale * math.log2(math.e)), stream)
+        if split:
+            comb = CombineSplits(D, qd)
+            ck = _get((arch,) + comb.key, lambda: comb, combine_compile_args())
+            ck(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
+               Int32(num_splits), stream)
+    return (out, lse) if return_lse else out

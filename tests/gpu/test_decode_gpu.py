@@ -1,0 +1,212 @@
+"""GPU tests of the SM90 paged decode kernel (``qattn.interface.decode.flash_attn_with_kvcache``).
+
+Oracle: ``paged_decode_reference`` (fp64) over the *same* quantized cache, so the error measured is the kernel's
+alone (rel. error <= 1e-2 for bf16 output). Pools are poisoned (NaN bf16, 0x7F bytes = E4M3 NaN, NaN fp32 scales)
+before the tokens are written, so slots past a sequence's end hold garbage the kernel must mask; the output is
+poisoned with NaN before the call; block tables are random permutations padded with -1.
+
+Run as a script for a quick timing: ``python tests/gpu/test_decode_gpu.py --bench``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FORMATS = ["bf16", "nvfp4", "mxfp4", "mxfp4_b16", "fp8", "int8", ("int8", "nvfp4"), ("nvfp4", "bf16")]
+# (gqa, seqlen_q, page_size, num_splits): each (format, head_dim) runs all four, so every axis value is covered
+CONFIGS = [(1, 1, 16, 1), (4, 4, 64, 3), (8, 1, 64, 1), (8, 4, 16, 3)]
+
+
+def _poison(cache, layer=0):
+    lay = cache.layer(layer)
+    for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool):
+        if t is None:
+            continue
+        if t.dtype in (torch.bfloat16, torch.float32, torch.float16):
+            t.fill_(float("nan"))
+        elif t.dtype == torch.uint8:
+            t.fill_(0x7F)
+        else:
+            t.fill_(127)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=torch.bfloat16, seed=0, dev=None):
+    from qattn import PagedKVCache, write_kv_reference
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = dev or _device()
+    B = len(lens)
+    need = [math.ceil(n / page) for n in lens]
+    max_blocks = max(need) + 1
+    num_blocks = sum(need) + 3
+    cache = PagedKVCache(1, num_blocks, page, num_kv_heads, head_dim, fmt, device=dev)
+    _poison(cache)
+    lay = cache.layer(0)
+    for gs in (lay.k_global_scale, lay.v_global_scale):
+        if gs is not None:  # nvfp4: a real per-head global scale, so the folding is exercised
+            gs.copy_((torch.rand(num_kv_heads, generator=g) * 0.004 + 0.002).to(dev))
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    slots, ks, vs = [], [], []
+    used = 0
+    for b, n in enumerate(lens):
+        ids = perm[used:used + need[b]]
+        used += need[b]
+        table[b, :need[b]] = ids.to(torch.int32)
+        pos = torch.arange(n)
+        slots.append(ids[pos // page] * page + pos % page)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        k[:, :, 3] += 4.0  # an outlier channel, as real keys have
+        ks.append(k)
+        vs.append(torch.randn(n, num_kv_heads, head_dim, generator=g))
+    write_kv_reference(cache, 0, torch.cat(ks).to(dev), torch.cat(vs).to(dev),
+                       torch.cat(slots).to(dev))
+    q = torch.randn(B, seqlen_q, num_kv_heads * gqa, head_dim, generator=g).to(dev, q_dtype)
+    return cache, q, torch.tensor(lens, dtype=torch.int32, device=dev), table.to(dev)
+
+
+def _check(out, lse, ref_out, ref_lse, tol=1e-2):
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten or unmasked)"
+    o, r = out.double(), ref_out
+    err = (o - r).norm() / r.norm().clamp_min(1e-30)
+    assert err <= tol, f"relative error {err:.3e} > {tol}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "LSE -inf pattern differs"
+    if fin.any():
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max() <= 2e-2
+    return float(err)
+
+
+def _run(fmt, D, gqa, sq, page, splits, causal=True, q_dtype=torch.bfloat16, lens=None):
+    from qattn.interface.decode import flash_attn_with_kvcache
+    from qattn.reference import paged_decode_reference
+
+    lens = lens or [3 * page + 5, 2, 129]
+    cache, q, seqlens, table = make_case(fmt, D, gqa, sq, page, lens, q_dtype=q_dtype)
+    out = torch.full_like(q, float("nan"))
+    got, lse = flash_attn_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits,
+                                       return_lse=True, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref_out, ref_lse = paged_decode_reference(q, cache, seqlens, table, causal=causal, return_lse=True)
+    return _check(got, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"gqa{c[0]}-sq{c[1]}-p{c[2]}-s{c[3]}")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f if isinstance(f, str) else f"{f[0]}+{f[1]}")
+def test_decode_matches_reference(fmt, D, cfg):
+    gqa, sq, page, splits = cfg
+    _run(fmt, D, gqa, sq, page, splits)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_decode_fp16_noncausal_bigpages(fmt):
+    _run(fmt, 128, 4, 2, 128, 1, causal=False, q_dtype=torch.float16, lens=[300, 1000])
+    _run(fmt, 128, 8, 1, 256, 0, causal=True, lens=[700, 5, 257])  # automatic splits
+
+
+def test_decode_rejects_bad_args():
+    from qattn.interface.decode import flash_attn_with_kvcache
+
+    cache, q, seqlens, table = make_case("nvfp4", 64, 4, 1, 16, [20, 3])
+    with pytest.raises(TypeError, match="q"):
+        flash_attn_with_kvcache(q.float(), cache, seqlens, table)
+    with pytest.raises(TypeError, match="block_table"):
+        flash_attn_with_kvcache(q, cache, seqlens, table.long())
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, cache, seqlens[:1], table)
+    with pytest.raises(ValueError, match="query heads"):
+        flash_attn_with_kvcache(q[:, :, :3], cache, seqlens, table)
+    with pytest.raises(ValueError, match="seqlen_q"):
+        flash_attn_with_kvcache(q.expand(2, 17, -1, -1).contiguous(), cache, seqlens, table)
+
+
+# --------------------------------------------------------------------------------------------------
+# quick timing (not a test): B32 x 8K, GQA 32/8, D128
+# --------------------------------------------------------------------------------------------------
+def _bench(fmt, B=32, ctx=8192, Hq=32, H=8, D=128, page=64, iters=30, num_splits=0):
+    from qattn import PagedKVCache
+    from qattn.interface.decode import flash_attn_with_kvcache
+
+    dev = _device()
+    nblk = B * ctx // page
+    cache = PagedKVCache(1, nblk, page, H, D, fmt, device=dev)
+    lay = cache.layer(0)
+    for t in (lay.k_data, lay.v_data):
+        if t.dtype == torch.bfloat16:
+            t.normal_()
+        else:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=dev))
+    for t in (lay.k_scale_pool, lay.v_scale_pool):
+        if t is not None:  # E4M3 bytes of moderate scales (0x30..0x3F)
+            t.copy_(torch.randint(0x30, 0x40, t.shape, dtype=torch.uint8, device=dev))
+    table = torch.randperm(nblk, device=dev, dtype=torch.int64).to(torch.int32).view(B, ctx // page)
+    seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):  # back-to-back launches between two events: kernel time, not Python overhead
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / 10)
+    us = sorted(ts)[len(ts) // 2]
+    graph_us = float("nan")
+    try:  # the same through a CUDA graph of 10 launches (no host overhead at all)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
+        gts = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            torch.cuda.synchronize()
+            gts.append(a.elapsed_time(b) * 1e3 / 10)
+        graph_us = sorted(gts)[len(gts) // 2]
+    except Exception as e:  # report, do not hide
+        print(f"  cuda graph timing failed: {type(e).__name__}: {e}")
+    nbytes = B * ctx * H * (cache.k_format.bytes_per_token_head(D) + cache.v_format.bytes_per_token_head(D))
+    print(f"{fmt:6s} B{B} ctx{ctx} H{Hq}/{H} D{D} page{page} splits{num_splits}: median {us:8.1f} us eager, {graph_us:8.1f} us graph; "
+          f"{nbytes / min(us, graph_us if graph_us == graph_us else us) / 1e3:7.1f} GB/s "
+          f"({nbytes / 1e6:.0f} MB read)", flush=True)
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    # python -m tests.gpu.test_decode_gpu --bench [fmt ...]   (QATTN_DECODE_TILE_N=128 to try bigger tiles)
+    import os
+
+    print(torch.cuda.get_device_name(), "tile_n", os.environ.get("QATTN_DECODE_TILE_N", "default"))
+    fmts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["nvfp4", "bf16"]
+    splits = [int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--splits=")] or [0]
+    pages = [int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--page=")] or [64, 128]
+    for f in fmts:
+        for page in pages:
+            for ns in splits:
+                _bench(f, page=page, num_splits=ns)
