@@ -58,12 +58,16 @@ def _row(config, impl, fmt, scope, t, nbytes=None, flops=None, copy_gbs=None, er
     return r
 
 
+SCOPES = (("eager", False), ("graph", True))  # decode: launched from Python, and replayed from a CUDA graph
+
+
 def _speedups(rows: list[dict], baseline: str) -> None:
-    for cfg in {r["config"] for r in rows}:
-        base = next((r for r in rows if r["config"] == cfg and r["impl"] == baseline and r.get("median_us")), None)
-        for r in rows:
-            if base is not None and r["config"] == cfg and r.get("median_us"):
-                r["speedup"] = base["median_us"] / r["median_us"]
+    """Speed-up over the baseline implementation of the same config and scope (eager vs eager, graph vs graph)."""
+    for r in rows:
+        base = next((b for b in rows if b["config"] == r["config"] and b["scope"] == r["scope"]
+                     and b["impl"] == baseline and b.get("median_us")), None)
+        if base is not None and r.get("median_us"):
+            r["speedup"] = base["median_us"] / r["median_us"]
 
 
 def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("fa4", "sdpa"), copy_gbs=None,
@@ -86,7 +90,7 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
         for p in peers:
             ok, note = have[p]
             if not ok:
-                rows.append(_row(sh.label, p, "bf16", "kernel", None, note=note))
+                rows.append(_row(sh.label, p, "bf16", "eager", None, note=note))
                 continue
             if p == "fa4":
                 kp = torch.empty(B * per * Pg, Hk, D, device=dev, dtype=torch.bfloat16).view(B * per, Pg, Hk, D)
@@ -98,9 +102,11 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
             else:
                 fn = P.sdpa_dense(q, k, v, causal=True)
             out = fn()
-            t = bench(fn, warmup=5, reps=reps)
-            rows.append(_row(sh.label, p, "bf16", "kernel", t, decode_bytes(sh, "bf16"), copy_gbs=copy_gbs,
-                             err=errors(out[:e], ref), kv_bpt=2 * 2 * D))
+            err = errors(out[:e], ref)
+            for scope, graph in SCOPES:
+                t = bench(fn, warmup=5, reps=reps, use_graph=graph)
+                rows.append(_row(sh.label, p, "bf16", scope, t, decode_bytes(sh, "bf16"), copy_gbs=copy_gbs,
+                                 err=err, kv_bpt=2 * 2 * D))
             del fn, out
         attn = _ours("flash_attn_with_kvcache")
         for fmt in formats:
@@ -108,16 +114,18 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
             bpt = kf.bytes_per_token_head(D) + vf.bytes_per_token_head(D)
             name = fmt if isinstance(fmt, str) else "+".join(fmt)
             if attn is None:
-                rows.append(_row(sh.label, "qattn", name, "kernel", None, kv_bpt=bpt,
+                rows.append(_row(sh.label, "qattn", name, "eager", None, kv_bpt=bpt,
                                  note="qattn.flash_attn_with_kvcache not built yet"))
                 continue
             cache = PagedKVCache(1, B * per, Pg, Hk, D, fmt, device=dev)
             _fill(cache, k, v, table)
             fn = (lambda c=cache: attn(q, c, lens, table))
             out = fn()
-            t = bench(fn, warmup=5, reps=reps)
-            rows.append(_row(sh.label, "qattn", name, "kernel", t, decode_bytes(sh, fmt), copy_gbs=copy_gbs,
-                             err=errors(out[:e], ref), kv_bpt=bpt))
+            err = errors(out[:e], ref)
+            for scope, graph in SCOPES:
+                t = bench(fn, warmup=5, reps=reps, use_graph=graph)
+                rows.append(_row(sh.label, "qattn", name, scope, t, decode_bytes(sh, fmt), copy_gbs=copy_gbs,
+                                 err=err, kv_bpt=bpt))
             del cache, fn, out
         del q, k, v
         torch.cuda.empty_cache()
@@ -145,13 +153,13 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         for name, mk in impls:
             ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
             if not ok:
-                rows.append(_row(sh.label, name, None, "kernel", None, note=note))
+                rows.append(_row(sh.label, name, None, "eager", None, note=note))
                 continue
             fn = mk(q, k, v, sh.causal)
             out = fn()
             t = bench(fn, warmup=3, reps=reps)
             err = errors(out[:1, :1024], ref) if ref is not None else None
-            rows.append(_row(sh.label, name, None, "kernel", t, flops=flops, err=err))
+            rows.append(_row(sh.label, name, None, "eager", t, flops=flops, err=err))
             del fn, out
     if baseline:
         _speedups(rows, baseline)
@@ -173,17 +181,17 @@ def run_insert(num_tokens=65536, num_kv_heads=8, head_dim=128, page_size=16, for
     kd = torch.empty(blocks * page_size, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
     vd = torch.empty_like(kd)
     t = bench(lambda: (kd.index_copy_(0, slots, k), vd.index_copy_(0, slots, v)), warmup=5, reps=reps)
-    rows.append(_row(label, "torch index_copy", "bf16", "kernel", t, insert_bytes(num_tokens, num_kv_heads,
+    rows.append(_row(label, "torch index_copy", "bf16", "eager", t, insert_bytes(num_tokens, num_kv_heads,
                                                                                   head_dim, "bf16"), copy_gbs=copy_gbs))
     write = _ours("write_kv")
     for fmt in formats:
         name = fmt if isinstance(fmt, str) else "+".join(fmt)
         if write is None:
-            rows.append(_row(label, "qattn write_kv", name, "kernel", None, note="qattn.write_kv not built yet"))
+            rows.append(_row(label, "qattn write_kv", name, "eager", None, note="qattn.write_kv not built yet"))
             continue
         cache = PagedKVCache(1, blocks, page_size, num_kv_heads, head_dim, fmt, device=dev)
         t = bench(lambda c=cache: write(c, 0, k, v, slots), warmup=5, reps=reps)
-        rows.append(_row(label, "qattn write_kv", name, "kernel", t,
+        rows.append(_row(label, "qattn write_kv", name, "eager", t,
                          insert_bytes(num_tokens, num_kv_heads, head_dim, fmt), copy_gbs=copy_gbs))
     _speedups(rows, "torch index_copy")
     return rows, "torch index_copy"

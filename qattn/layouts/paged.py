@@ -126,6 +126,14 @@ class PoolGeometry:
         _check_pool(t, self.scale_shape, self.fmt.scale_storage_dtype, name)
 
 
+def _normalize_device(device) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>``: tensors always carry an index, and launchers compare devices."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _check_pool(t, shape, dtype, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -236,7 +244,7 @@ class PagedKVCache:
             self.device = torch.device(_layers[0].k_data.device)
             self._layers = list(_layers)
             return
-        self.device = torch.device(device)
+        self.device = _normalize_device(device)
         self._layers = self._allocate()
 
     # --- construction ------------------------------------------------------------------------
