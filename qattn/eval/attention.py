@@ -1,0 +1,254 @@
+"""KV-quantized causal attention for the accuracy harness (full-sequence, teacher-forced, CPU).
+
+A real cache quantizes each key/value row once, when it is written, and every later query reads the same
+dequantized row. In one causal pass over a whole sequence that is exactly "fake-quantize K and V once, then
+attend", except for the recent-token window: query ``i`` reads its newest ``W`` keys ``j > i - W`` (own token
+included) unquantized and older keys ``j <= i - W`` (i.e. ``j < i + 1 - W``) from the quantized pages. That is a
+per-(query, key) choice, done here exactly with a mask-combined attention: the keys are ``[K_quant ; K_full]``
+(2S keys), query ``i`` may see quantized key ``j`` iff ``j <= i - W`` and full key ``j`` iff ``i - W < j <= i``.
+One softmax over the union is the same as the cache's single softmax over its context.
+
+The transforms (``qattn.quant.transforms``) are applied in the order the insert kernels will apply them:
+post-RoPE ``k`` -> ``k - mean`` (smoothing) -> ``rotate`` -> quantize; ``v`` -> ``rotate`` -> quantize;
+``q`` -> ``rotate``; output -> ``unrotate``. Window tokens go through the same transforms, only not quantized.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..layouts.formats import KVFormat, kv_format
+from ..quant.reference import E2M1_MAX, E4M3_MAX, fake_quantize
+from ..quant.transforms import rotate, smooth_keys, unrotate
+
+__all__ = [
+    "KVQuantConfig",
+    "LayerQuant",
+    "parse_format",
+    "format_label",
+    "windowed_attention",
+    "quantized_attention",
+    "reference_attention",
+    "nvfp4_global_scale",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------------
+_FMT_RE = re.compile(r"^(bf16|fp8|int8|nvfp4|mxfp4|mxfp4_b16)(?::(floor|rceil))?$")
+
+
+def parse_format(spec: str | None) -> KVFormat | None:
+    """``"none"``/None (unquantized), ``"bf16"``, ``"fp8"``, ``"int8"``, ``"nvfp4"``, ``"mxfp4"``,
+    ``"mxfp4_b16"``, with an optional MX scale rule: ``"mxfp4:rceil"``, ``"mxfp4_b16:floor"``."""
+    if spec is None or spec == "none":
+        return None
+    m = _FMT_RE.match(spec)
+    if not m:
+        raise ValueError(f"unknown KV format spec {spec!r}")
+    return kv_format(m.group(1), scale_rule=m.group(2))
+
+
+def format_label(fmt: KVFormat | None) -> str:
+    """Short label: ``none``, ``nvfp4``, ``mxfp4-floor-b32``, ``mxfp4-rceil-b16`` ..."""
+    if fmt is None:
+        return "none"
+    if fmt.payload == "e2m1" and fmt.scale_rule in ("floor", "rceil"):
+        return f"mxfp4-{fmt.scale_rule}-b{fmt.scale_block}"
+    return fmt.name
+
+
+def _format_spec(fmt: KVFormat | None) -> str:
+    if fmt is None:
+        return "none"
+    if fmt.scale_rule in ("floor", "rceil"):
+        return f"{fmt.name}:{fmt.scale_rule}"
+    return fmt.name
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """One evaluation setting. ``k``/``v`` are :func:`parse_format` specs (None = unquantized).
+
+    ``smooth``: subtract the calibrated per-(layer, kv_head) key channel mean before quantizing K.
+    ``rotate``: randomized Hadamard rotation (seed ``seed``) of q, k, v, output rotated back.
+    ``window``: the newest ``window`` tokens of each query's context stay unquantized.
+    ``sink``: the first ``sink`` tokens of the sequence stay unquantized (experiment; spec suffix ``^N``).
+    """
+
+    k: str | None = None
+    v: str | None = None
+    smooth: bool = False
+    rotate: bool = False
+    window: int = 0
+    seed: int = 0
+    sink: int = 0
+
+    def __post_init__(self) -> None:
+        parse_format(self.k), parse_format(self.v)
+        if self.window < 0 or self.sink < 0:
+            raise ValueError("window must be >= 0")
+
+    @property
+    def k_format(self) -> KVFormat | None:
+        return parse_format(self.k)
+
+    @property
+    def v_format(self) -> KVFormat | None:
+        return parse_format(self.v)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_format is not None or self.v_format is not None
+
+    @property
+    def formats_label(self) -> str:
+        kl, vl = format_label(self.k_format), format_label(self.v_format)
+        return kl if kl == vl else f"{kl} K / {vl} V"
+
+    @property
+    def name(self) -> str:
+        """The spec string :meth:`parse` takes back: ``K[/V][+s][+r][@W][^N]``."""
+        ks, vs = _format_spec(self.k_format), _format_spec(self.v_format)
+        s = ks if ks == vs else f"{ks}/{vs}"
+        if self.smooth:
+            s += "+s"
+        if self.rotate:
+            s += "+r"
+        if self.window:
+            s += f"@{self.window}"
+        if self.sink:
+            s += f"^{self.sink}"
+        return s
+
+    @classmethod
+    def parse(cls, spec: str, seed: int = 0) -> "KVQuantConfig":
+        """``"nvfp4"``, ``"int8/nvfp4+s+r@64"``, ``"mxfp4:rceil+r"``, ``"mxfp4_b16@32"``, ``"nvfp4^4"``, ``"none"``."""
+        m = re.match(r"^([^+@^]+)((?:\+[sr])*)(?:@(\d+))?(?:\^(\d+))?$", spec.strip())
+        if not m:
+            raise ValueError(f"bad config spec {spec!r}; expected K[/V][+s][+r][@W]")
+        fmts = m.group(1).split("/")
+        if len(fmts) > 2:
+            raise ValueError(f"bad config spec {spec!r}")
+        k = fmts[0]
+        v = fmts[1] if len(fmts) == 2 else fmts[0]
+        flags = m.group(2)
+        return cls(k=None if k == "none" else k, v=None if v == "none" else v, smooth="+s" in flags,
+                   rotate="+r" in flags, window=int(m.group(3) or 0), seed=seed,
+                   sink=int(m.group(4) or 0))
+
+
+@dataclass
+class LayerQuant:
+    """Everything one layer's attention needs: the config and the calibrated per-(layer, kv_head) tensors."""
+
+    config: KVQuantConfig
+    k_mean: torch.Tensor | None = None  # (Hkv, D) fp32, smoothing vector
+    k_global: torch.Tensor | None = None  # (Hkv,) fp32 NVFP4 global scale of (transformed) keys
+    v_global: torch.Tensor | None = None  # (Hkv,) fp32 NVFP4 global scale of (transformed) values
+
+
+def nvfp4_global_scale(x: torch.Tensor, head_dim_axis: int = -1, head_axis: int = 0) -> torch.Tensor:
+    """Per-kv-head NVFP4 global (decode) scale ``amax / (6 * 448)`` of calibration rows ``x``.
+
+    ``x`` is e.g. (Hkv, tokens, D); returns (Hkv,) fp32; an all-zero head gets 1.0.
+    """
+    xh = x.movedim(head_axis, 0).float()
+    amax = xh.abs().reshape(xh.shape[0], -1).amax(-1)
+    g = amax / torch.tensor(E2M1_MAX * E4M3_MAX)
+    return torch.where(amax > 0, g, torch.ones_like(g))
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------------
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal GQA attention. q (Hq, S, D), k/v (Hkv, S, D) -> (Hq, S, D)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                          enable_gqa=True)[0]
+
+
+def window_masks(seq_len: int, window: int, device=None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean (S, S) masks: ``full[i, j] = j <= i and (j > i - W or j < sink)`` (newest ``W`` tokens of query
+    ``i``'s context, plus the first ``sink`` tokens of the sequence) and ``quant[i, j] = j <= i and not full``."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    full = (j <= i) & ((j > i - window) | (j < sink))
+    quant = (j <= i) & ~full
+    return quant, full
+
+
+def windowed_attention(q: torch.Tensor, k_quant: torch.Tensor, v_quant: torch.Tensor, k_full: torch.Tensor,
+                       v_full: torch.Tensor, window: int, scale: float, block: int = 256,
+                       sink: int = 0) -> torch.Tensor:
+    """Causal GQA attention where query ``i`` reads keys/values ``j <= i - window`` from ``k_quant``/``v_quant``
+    and ``i - window < j <= i`` from ``k_full``/``v_full``. q (Hq, S, D), the rest (Hkv, S, D).
+    ``sink > 0`` also keeps the first ``sink`` tokens unquantized (an experiment, not a qattn cache feature).
+
+    ``window == 0`` (and no sink): everything quantized (plain causal attention on the quantized rows);
+    ``window >= S``: nothing quantized. Otherwise, per block of ``block`` queries ``[a, b)``, one SDPA over the
+    quantized keys ``[0, b - W)`` and the full keys ``[0, sink) + [a - W + 1, b)`` concatenated, with the exact
+    mask of :func:`window_masks` restricted to those keys (the blocks only skip keys the mask excludes anyway).
+    """
+    S = q.shape[1]
+    if window == 0 and sink == 0:
+        return reference_attention(q, k_quant, v_quant, scale)
+    if window >= S:
+        return reference_attention(q, k_full, v_full, scale)
+    out = torch.empty_like(q)
+    dev = q.device
+    for a in range(0, S, block):
+        b = min(a + block, S)
+        nq = max(b - window, 0)  # quantized keys [0, nq)
+        f0 = max(a - window + 1, 0)  # full keys [f0, b), plus sink keys [0, min(sink, f0))
+        ns = min(sink, f0)
+        i = torch.arange(a, b, device=dev)[:, None]
+        jq = torch.arange(nq, device=dev)[None, :]
+        jf = torch.cat((torch.arange(ns, device=dev), torch.arange(f0, b, device=dev)))[None, :]
+        mq = (jq <= i - window) & (jq >= sink)
+        mf = (jf <= i) & ((jf > i - window) | (jf < sink))
+        mask = torch.cat((mq, mf), dim=1)
+        kk = torch.cat((k_quant[:, :nq], k_full[:, :ns], k_full[:, f0:b]), dim=1)
+        vv = torch.cat((v_quant[:, :nq], v_full[:, :ns], v_full[:, f0:b]), dim=1)
+        out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], kk[None], vv[None], attn_mask=mask,
+                                                     scale=scale, enable_gqa=True)[0]
+    return out
+
+
+def _fq(x: torch.Tensor, fmt: KVFormat | None, g: torch.Tensor | None) -> torch.Tensor:
+    """Fake-quantize (Hkv, S, D) rows through the reference encoder (rows = token-head)."""
+    if fmt is None:
+        return x
+    gs = g if fmt.has_global_scale else None
+    y = fake_quantize(x.transpose(0, 1), fmt, gs, dtype=torch.float32).transpose(0, 1)
+    return y.to(x.dtype)
+
+
+def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lq: LayerQuant | None,
+                        scale: float) -> torch.Tensor:
+    """Attention of one layer with its KV cache held in ``lq.config``'s formats.
+
+    q (Hq, S, D) and k, v (Hkv, S, D) are the layer's post-RoPE projections (fp32). Returns (Hq, S, D) in the
+    original (unrotated) basis.
+    """
+    if lq is None or not lq.config.quantized:
+        return reference_attention(q, k, v, scale)
+    cfg = lq.config
+    kf, vf = cfg.k_format, cfg.v_format
+    if cfg.smooth:
+        if lq.k_mean is None:
+            raise ValueError("smoothing needs a calibrated k_mean")
+        k = smooth_keys(k, lq.k_mean[:, None, :]).to(q.dtype)
+    if cfg.rotate:
+        q, k, v = (rotate(t, cfg.seed).to(t.dtype) for t in (q, k, v))
+    kq = _fq(k, kf, lq.k_global)
+    vq = _fq(v, vf, lq.v_global)
+    out = windowed_attention(q, kq, vq, k, v, cfg.window, scale, sink=cfg.sink)
+    if cfg.rotate:
+        out = unrotate(out, cfg.seed).to(q.dtype)
+    return out
