@@ -183,24 +183,8 @@ class Fp4QuantizeRows(_RowsConfig):
                 amax = Float32(0.0)
                 for i in cutlass.range_constexpr(self.block):
                     amax = cute.arch.fmax(amax, abs(rX[b * self.block + i]))
-                mul = Float32(0.0)
-                if cutlass.const_expr(self.is_nvfp4):
-                    den = g * Float32(6.0)
-                    t = amax / den
-                    sbyte = fp4.f32_to_e4m3_satfinite(t)
-                    sg = fp4.e4m3_to_f32(sbyte) * g
-                    mul = Float32(0.0)
-                    # reciprocal only of a normal fp32 (as the reference): 0 and subnormals give inv = 0
-                    if sg >= Float32(2.0**-126):
-                        mul = fp4.rcp_rn(sg)
-                    rS[b] = Uint8(sbyte)
-                else:
-                    if cutlass.const_expr(self.fmt.scale_rule == "rceil"):
-                        sbyte = fp4.mx_ue8m0_rceil(amax)
-                    else:
-                        sbyte = fp4.mx_ue8m0_floor(amax)
-                    mul = fp4.ue8m0_to_f32(Uint32(254) - sbyte)  # 2^-e, e = byte - 127
-                    rS[b] = Uint8(sbyte)
+                sbyte, mul = fp4.fp4_block_scale(amax, g, self.is_nvfp4, self.fmt.scale_rule == "rceil")
+                rS[b] = Uint8(sbyte)
                 for wj in cutlass.range_constexpr(self.block // 8):
                     base = b * self.block + 8 * wj
                     c = [fp4.f32_to_e2m1(rX[base + k] * mul) for k in range(8)]

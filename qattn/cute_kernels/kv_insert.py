@@ -361,22 +361,8 @@ class KVInsert:
                 amax = Float32(0.0)
                 for i in cutlass.range_constexpr(side.block):
                     amax = cute.arch.fmax(amax, abs(rX[b * side.block + i]))
-                mul = Float32(0.0)
-                if cutlass.const_expr(side.nvfp4):
-                    den = g * Float32(6.0)
-                    t = amax / den
-                    sbyte = fp4.f32_to_e4m3_satfinite(t)
-                    sg = fp4.e4m3_to_f32(sbyte) * g
-                    if sg >= Float32(_FP32_MIN_NORMAL):
-                        mul = fp4.rcp_rn(sg)
-                    rS[b] = Uint8(sbyte)
-                else:
-                    if cutlass.const_expr(side.rceil):
-                        sbyte = fp4.mx_ue8m0_rceil(amax)
-                    else:
-                        sbyte = fp4.mx_ue8m0_floor(amax)
-                    mul = fp4.ue8m0_to_f32(Uint32(254) - sbyte)
-                    rS[b] = Uint8(sbyte)
+                sbyte, mul = fp4.fp4_block_scale(amax, g, side.nvfp4, side.rceil)
+                rS[b] = Uint8(sbyte)
                 for wj in cutlass.range_constexpr(side.block // 8):
                     base = b * side.block + 8 * wj
                     cds = [fp4.f32_to_e2m1(rX[base + k] * mul) for k in range(8)]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Float32, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
@@ -47,6 +49,7 @@ __all__ = [
     "mx_ue8m0_rceil",
     "f32_to_e2m1",
     "pack_e2m1x8",
+    "fp4_block_scale",
 ]
 
 # E4M3FN bytes of the 8 E2M1 magnitudes, as the two prmt source registers: entries 0..3 in the low word,
@@ -407,3 +410,30 @@ def pack_e2m1x8(c0, c1, c2, c3, c4, c5, c6, c7, *, loc=None, ip=None) -> Uint32:
     PTX: 7 x bfi.b32."""
     codes = [_u32(c, loc, ip) for c in (c0, c1, c2, c3, c4, c5, c6, c7)]
     return Uint32(_asm(T.i32(), codes, PTX_PACK_E2M1X8, "=r," + ",".join(["r"] * 8)))
+
+
+# ------------------------------------------------------------------------------------------------
+# the block-scale rule (one home for what every FP4 writer computes)
+# ------------------------------------------------------------------------------------------------
+@cute.jit
+def fp4_block_scale(amax: Float32, g: Float32, nvfp4: cutlass.Constexpr, rceil: cutlass.Constexpr):
+    """``(scale byte, multiplier)`` of one FP4 block with largest magnitude ``amax``, exactly as
+    ``qattn.quant.reference.quantize``: the block's codes are ``f32_to_e2m1(x * multiplier)``.
+
+    nvfp4 (``g`` = the global scale): byte = E4M3(amax / (g * 6)), multiplier = 1 / (E4M3 value * g), or 0 when
+    that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on
+    amax's bits, multiplier = 2^-e (exact)."""
+    sbyte = Uint32(0)
+    mul = Float32(0.0)
+    if cutlass.const_expr(nvfp4):
+        sbyte = f32_to_e4m3_satfinite(amax / (g * Float32(6.0)))
+        sg = e4m3_to_f32(sbyte) * g
+        if sg >= Float32(2.0**-126):  # reciprocal only of a normal fp32: 0 and subnormals give 0
+            mul = rcp_rn(sg)
+    else:
+        if cutlass.const_expr(rceil):
+            sbyte = mx_ue8m0_rceil(amax)
+        else:
+            sbyte = mx_ue8m0_floor(amax)
+        mul = ue8m0_to_f32(Uint32(254) - sbyte)  # 2^-e, e = byte - 127
+    return sbyte, mul
