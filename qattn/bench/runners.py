@@ -193,5 +193,33 @@ def run_insert(num_tokens=65536, num_kv_heads=8, head_dim=128, page_size=16, for
         t = bench(lambda c=cache: write(c, 0, k, v, slots), warmup=5, reps=reps)
         rows.append(_row(label, "qattn write_kv", name, "eager", t,
                          insert_bytes(num_tokens, num_kv_heads, head_dim, fmt), copy_gbs=copy_gbs))
+    rows += _decode_append(num_kv_heads, head_dim, page_size, formats, reps)
     _speedups(rows, "torch index_copy")
     return rows, "torch index_copy"
+
+
+def _decode_append(num_kv_heads, head_dim, page_size, formats, reps, num_seqs=256):
+    """One decode step's insert: one new token for each of ``num_seqs`` sequences (a latency number:
+    launched from Python, and replayed from a CUDA graph as engines do)."""
+    rows, dev = [], "cuda"
+    write = _ours("write_kv")
+    label = f"append {num_seqs}x1 tok H{num_kv_heads} D{head_dim}"
+    g = torch.Generator(device=dev).manual_seed(1)
+    k = torch.randn(num_seqs, num_kv_heads, head_dim, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    blocks = num_seqs * 4
+    slots = torch.randperm(blocks * page_size, device=dev, generator=g)[:num_seqs]
+    kd = torch.empty(blocks * page_size, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    vd = torch.empty_like(kd)
+    for scope, graph in SCOPES:
+        t = bench(lambda: (kd.index_copy_(0, slots, k), vd.index_copy_(0, slots, v)), reps=reps, use_graph=graph)
+        rows.append(_row(label, "torch index_copy", "bf16", scope, t))
+    for fmt in formats:
+        name = fmt if isinstance(fmt, str) else "+".join(fmt)
+        if write is None:
+            continue
+        cache = PagedKVCache(1, blocks, page_size, num_kv_heads, head_dim, fmt, device=dev)
+        for scope, graph in SCOPES:
+            t = bench(lambda c=cache: write(c, 0, k, v, slots), reps=reps, use_graph=graph)
+            rows.append(_row(label, "qattn write_kv", name, scope, t))
+    return rows
