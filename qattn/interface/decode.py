@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..layouts.paged import PagedKVCache
+from .torch_ops import paged_decode_traced  # registers the custom ops
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for"]
 
@@ -103,7 +104,7 @@ def _check_vec(t, name: str, n: int, device) -> None:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
-def flash_attn_with_kvcache(
+def _flash_attn_with_kvcache_eager(
     q: torch.Tensor,
     cache: PagedKVCache,
     cache_seqlens: torch.Tensor,
@@ -231,3 +232,27 @@ def flash_attn_with_kvcache(
             ck(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
                Int32(num_splits), stream)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    layer: int = 0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = True,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+):
+    if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
+        return paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
+                                   return_lse, out)
+    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, layer=layer,
+                                          softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                          return_lse=return_lse, out=out)
+
+
+flash_attn_with_kvcache.__doc__ = _flash_attn_with_kvcache_eager.__doc__

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.paged import PagedKVCache
+from .torch_ops import write_kv_traced  # registers the custom ops
 
 __all__ = ["write_kv", "flatten_kv", "inspect_kv"]
 
@@ -41,7 +42,7 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
+def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
              seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
              check: bool = False) -> None:
     """Quantize ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) bf16/fp16 and write them into ``layer`` of
@@ -200,3 +201,14 @@ def inspect_kv(cache: PagedKVCache, layer: int, block: int, offset: int, head: i
             "global_scale": None if g is None else float(g), "values": values,
         }
     return out
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
+             seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             check: bool = False) -> None:
+    if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
+        return write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions)
+    return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, check=check)
+
+
+write_kv.__doc__ = _write_kv_eager.__doc__

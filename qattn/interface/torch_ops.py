@@ -1,0 +1,106 @@
+"""torch.library custom ops, so that ``torch.compile(..., fullgraph=True)`` traces a decode step without breaks.
+
+The ops take the plain tensors of one cache layer plus the formats as strings (``"nvfp4"``, ``"mxfp4:rceil"``),
+rebuild a :class:`PagedKVCache` view (no copy) and call the same launchers as eager code. Their fake
+implementations give output shapes only. The public functions (``qattn.write_kv``,
+``qattn.flash_attn_with_kvcache``) route through these ops only while torch.compile traces them, so eager
+callers pay no dispatcher overhead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layouts.formats import KVFormat, kv_format
+from ..layouts.paged import KVLayer, PagedKVCache
+
+
+def format_str(fmt: KVFormat) -> str:
+    """A format as a string an op can carry: its name, plus the MX rule when there is one."""
+    return f"{fmt.name}:{fmt.scale_rule}" if fmt.scale_rule in ("floor", "rceil") else fmt.name
+
+
+def _parse(s: str) -> KVFormat:
+    name, _, rule = s.partition(":")
+    return kv_format(name, scale_rule=rule or None)
+
+
+def _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
+          k_format: str, v_format: str, page_size: int, head_dim: int, ring_dtype) -> PagedKVCache:
+    layer = KVLayer(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring)
+    return PagedKVCache.from_tensors([layer], page_size, head_dim, (_parse(k_format), _parse(v_format)),
+                                     dtype=ring_dtype)
+
+
+def _head_dim(k_data: torch.Tensor, k_format: str) -> int:
+    return k_data.shape[-1] * (2 if _parse(k_format).is_packed else 1)
+
+
+@torch.library.custom_op("qattn::write_kv", mutates_args=("k_data", "v_data", "k_scale_pool", "v_scale_pool",
+                                                         "k_ring", "v_ring"))
+def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                k_data: torch.Tensor, v_data: torch.Tensor,
+                k_scale_pool: Optional[torch.Tensor], v_scale_pool: Optional[torch.Tensor],
+                k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
+                k_ring: Optional[torch.Tensor], v_ring: Optional[torch.Tensor],
+                seq_slots: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+                k_format: str, v_format: str, page_size: int) -> None:
+    from .kv_cache_ops import _write_kv_eager
+
+    ring_dtype = k_ring.dtype if k_ring is not None else torch.bfloat16
+    cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype)
+    _write_kv_eager(cache, 0, k, v, slot_mapping, seq_slots=seq_slots, positions=positions)
+
+
+@write_kv_op.register_fake
+def _(k, v, slot_mapping, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring,
+      v_ring, seq_slots, positions, k_format, v_format, page_size) -> None:
+    return None
+
+
+@torch.library.custom_op("qattn::paged_decode", mutates_args=())
+def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
+                    k_scale_pool: Optional[torch.Tensor], v_scale_pool: Optional[torch.Tensor],
+                    k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
+                    cache_seqlens: torch.Tensor, block_table: torch.Tensor, k_format: str, v_format: str,
+                    page_size: int, softmax_scale: float, causal: bool,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .decode import _flash_attn_with_kvcache_eager
+
+    cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, None, None,
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), torch.bfloat16)
+    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, softmax_scale=softmax_scale,
+                                          causal=causal, num_splits=num_splits, return_lse=True)
+
+
+@paged_decode_op.register_fake
+def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, cache_seqlens, block_table,
+      k_format, v_format, page_size, softmax_scale, causal, num_splits):
+    B, Sq, Hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slots, positions) -> None:
+    lay = cache.layer(layer)
+    torch.ops.qattn.write_kv(k, v, slot_mapping, lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
+                             lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring, seq_slots, positions,
+                             format_str(cache.k_format), format_str(cache.v_format), cache.page_size)
+
+
+def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,
+                        num_splits: int, return_lse: bool, out):
+    import math
+
+    lay = cache.layer(layer)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    o, lse = torch.ops.qattn.paged_decode(q, lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
+                                          lay.k_global_scale, lay.v_global_scale, cache_seqlens, block_table,
+                                          format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
+                                          scale, bool(causal), int(num_splits))
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_lse else o
