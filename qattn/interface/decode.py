@@ -1,8 +1,8 @@
 """``flash_attn_with_kvcache``: paged decode attention over a quantized :class:`PagedKVCache` (SM90).
 
 A thin launcher: it validates on the host (shapes, dtypes, devices, geometry: never device *values*, so there is
-no host sync and a step can be captured in a CUDA graph), picks a compiled kernel from an in-memory dict keyed by
-everything that changes the code, and launches on torch's current stream. There is no fallback: an unsupported
+no host sync and a step can be captured in a CUDA graph), picks a compiled kernel from the shared compile cache keyed
+by everything that changes the code, and launches on torch's current stream. There is no fallback: an unsupported
 case raises a ``ValueError`` / ``TypeError`` naming the argument.
 """
 
@@ -16,10 +16,10 @@ import torch
 
 from ..layouts.paged import PagedKVCache
 from .torch_ops import paged_decode_traced  # registers the custom ops
+from .variants import cache_for
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for"]
 
-_KERNELS: dict = {}  # (arch, config key) -> compiled decode kernel; (arch, combine key) -> compiled combine
 _NUM_SMS: dict = {}
 _MAX_SEQLEN_Q = 16
 
@@ -83,14 +83,12 @@ def _check_arch(device: torch.device) -> str:
     return "sm_90a"
 
 
-def _get(key, build, args):
-    fn = _KERNELS.get(key)
-    if fn is None:
-        from ..cute_kernels.compile_utils import compile_for_arch
+def _get(kind: str, key: tuple, build, args):
+    """The compiled kernel for ``key`` (arch first) from the shared compile cache: in memory, else on disk,
+    else compiled now and exported for the next process."""
+    from ..cute_kernels.compile_utils import compile_for_arch
 
-        fn, _ = compile_for_arch(build(), *args, arch=key[0], keep_ptx=False)
-        _KERNELS[key] = fn
-    return fn
+    return cache_for(kind).get(key, lambda: compile_for_arch(build(), *args, arch=key[0], keep_ptx=False)[0])
 
 
 def _check_vec(t, name: str, n: int, device) -> None:
@@ -214,7 +212,7 @@ def _flash_attn_with_kvcache_eager(
 
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        kern = _get((arch,) + cfg.key, lambda: DecodeSm90(cfg), decode_compile_args())
+        kern = _get("decode", (arch,) + cfg.key, lambda: DecodeSm90(cfg), decode_compile_args())
         if split:
             o_part = torch.empty((num_splits, B, Sq, Hq, D), dtype=torch.float32, device=dev)
             l_part = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=dev)
@@ -228,7 +226,7 @@ def _flash_attn_with_kvcache_eager(
              Int32(num_splits), Float32(softmax_scale * math.log2(math.e)), stream)
         if split:
             comb = CombineSplits(D, qd)
-            ck = _get((arch,) + comb.key, lambda: comb, combine_compile_args())
+            ck = _get("combine", (arch,) + comb.key, lambda: comb, combine_compile_args())
             ck(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
                Int32(num_splits), stream)
     return (out, lse) if return_lse else out
