@@ -61,10 +61,11 @@ def _row(config, impl, fmt, scope, t, nbytes=None, flops=None, copy_gbs=None, er
 SCOPES = (("eager", False), ("graph", True))  # decode: launched from Python, and replayed from a CUDA graph
 
 
-def _speedups(rows: list[dict], baseline: str) -> None:
-    """Speed-up over the baseline implementation of the same config and scope (eager vs eager, graph vs graph)."""
+def _speedups(rows: list[dict], baseline: str, match_scope: bool = True) -> None:
+    """Speed-up over the baseline implementation of the same config and (with ``match_scope``) scope: eager vs
+    eager, graph vs graph. Prefill peers have one eager row that our kernel-only and end-to-end rows compare to."""
     for r in rows:
-        base = next((b for b in rows if b["config"] == r["config"] and b["scope"] == r["scope"]
+        base = next((b for b in rows if b["config"] == r["config"] and (b["scope"] == r["scope"] or not match_scope)
                      and b["impl"] == baseline and b.get("median_us")), None)
         if base is not None and r.get("median_us"):
             r["speedup"] = base["median_us"] / r["median_us"]
@@ -134,6 +135,14 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
     return rows, baseline or "-"
 
 
+def _qattn_prefill_kernel_only(q, k, v, causal):
+    from ..interface.prefill import prefill_int8
+    from ..quant.launch import quantize_qk_int8
+
+    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
+    return lambda: prefill_int8(q8, qs, k8, ks, v, causal=causal)
+
+
 def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, log=print):
     rows, dev = [], "cuda"
     have = {p: P.available(p) for p in peers}
@@ -146,23 +155,25 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
                    for h in (sh.num_heads, sh.num_kv_heads, sh.num_kv_heads))
         flops = attention_flops(sh.batch, sh.num_heads, sh.seqlen, sh.seqlen, sh.head_dim, sh.causal)
         ref = attention_reference(q[:1, :1024], k[:1], v[:1], causal=sh.causal) if not sh.causal else None
-        impls = [(p, make[p]) for p in peers]
+        impls = [(p, make[p], "eager") for p in peers]
         ours = _ours("flash_attn_func")
+        # kernel-only: the attention kernel on Q/K quantized once beforehand; end-to-end: prepass + kernel
+        impls.append(("qattn int8-QK", _qattn_prefill_kernel_only if ours else None, "kernel"))
         impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
-                      if ours else None))
-        for name, mk in impls:
+                      if ours else None, "end-to-end"))
+        for name, mk, scope in impls:
             ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
             if not ok:
-                rows.append(_row(sh.label, name, None, "eager", None, note=note))
+                rows.append(_row(sh.label, name, None, scope, None, note=note))
                 continue
             fn = mk(q, k, v, sh.causal)
             out = fn()
             t = bench(fn, warmup=3, reps=reps)
             err = errors(out[:1, :1024], ref) if ref is not None else None
-            rows.append(_row(sh.label, name, None, "eager", t, flops=flops, err=err))
+            rows.append(_row(sh.label, name, None, scope, t, flops=flops, err=err))
             del fn, out
     if baseline:
-        _speedups(rows, baseline)
+        _speedups(rows, baseline, match_scope=False)
     return rows, baseline or "-"
 
 

@@ -1,0 +1,52 @@
+"""Tile shapes and compile-time flags of the SM90 INT8-QK prefill kernel (``prefill_int8.py``).
+
+The INT8 Q/K block sizes of the prepass are tied to these tiles (docs in ``qattn/quant/qk_int8.py``):
+
+* one CTA owns ``tile_m`` = 128 query rows = ``block_q``; its two MMA warpgroups own 64 rows each and every warp
+  owns 16 consecutive rows = ``warp_q``, exactly the rows of the wgmma accumulator fragment of that warp. So a
+  per-warp q scale is one scalar per thread and a per-block q scale one scalar per CTA;
+* one K/V tile is ``tile_n`` = 128 keys = ``block_k``, so each tile has one k scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS"]
+
+BLOCK_Q = 128
+WARP_Q = 16
+BLOCK_K = 128
+HEAD_DIMS = (64, 128)
+_V_DTYPES = ("bf16", "fp16")
+_GRANULARITIES = ("per_warp", "per_block")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    head_dim: int
+    v_dtype: str  # "bf16" | "fp16": V, P and the output
+    causal: bool
+    granularity: str  # q scale granularity, "per_warp" | "per_block"
+    varlen: bool = False
+    kv_stages: int = 2
+    tile_m: int = BLOCK_Q
+    tile_n: int = BLOCK_K
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.v_dtype not in _V_DTYPES:
+            raise ValueError(f"v_dtype: expected one of {_V_DTYPES}, got {self.v_dtype!r}")
+        if self.granularity not in _GRANULARITIES:
+            raise ValueError(f"granularity: expected one of {_GRANULARITIES}, got {self.granularity!r}")
+        if (self.tile_m, self.tile_n) != (BLOCK_Q, BLOCK_K):
+            raise ValueError("tile_m / tile_n: the prepass block sizes fix them to 128 x 128")
+        if not 2 <= self.kv_stages <= 4:
+            raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
+
+    @property
+    def key(self) -> tuple:
+        """Everything that changes the generated code (the compile-cache key, arch excluded)."""
+        return ("prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype, self.causal,
+                self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.tile_m, self.tile_n)

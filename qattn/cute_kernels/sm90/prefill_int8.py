@@ -1,0 +1,421 @@
+"""SM90 prefill attention with INT8 Q/K (SageAttention style): wgmma s8 x s8 -> s32 for Q K^T, fp32 online
+softmax, bf16/fp16 P x V on wgmma with P straight from registers (issue 5, v0).
+
+One CTA = one 128-row query tile of one (batch, head); 3 warpgroups:
+
+* warpgroup 0, warp 0 is the producer: TMA loads of the Q tile (once), then K and V tiles of 128 keys into
+  ``kv_stages``-deep smem rings (two ``PipelineTmaAsync`` pipelines, one for K, one for V, so that the QK^T of
+  a tile can start before its V has landed). Its registers are given back (setmaxregister).
+* warpgroups 1 and 2 own query rows 0..63 and 64..127. Per K/V tile:
+    S_int32 = wgmma(Q_int8, K_int8)         (SS, K-major both: the only form s8 wgmma has)
+    S = float(S_int32) * (q_scale * k_scale * softmax_scale * log2 e)
+  The product is exact up to one fp32 rounding: |S_int32| <= 127^2 * 128 < 2^24, so the int -> fp32
+  conversion is exact, and per-tile scales are applied *before* the running max, so the online softmax lives
+  in the true logit domain and needs no rescale when the scale changes from tile to tile.
+  Then the usual log2-domain online softmax (running max / sum per row, four lanes of a quad share a row),
+  P rounded to the V dtype in registers, reinterpreted as the A fragment of the P x V wgmma (RS, V MN-major).
+
+Why the scale granularity matches the tiles: wgmma's accumulator gives warp w of a warpgroup rows
+16w .. 16w+15, so SageAttention's per-warp q scale (16 rows) is one scalar per thread; the per-block q scale
+(128 rows) one per CTA; the k scale (128 keys) one per tile. See ``prefill_config.py``.
+
+Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are then set to -inf) and, with
+``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
+sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
+
+v0 limits: no intra-warpgroup overlap of softmax with the next QK^T (the two MMA warpgroups overlap each
+other instead), outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+
+__all__ = ["QKInt8PrefillSm90"]
+
+_LN2 = math.log(2.0)
+
+
+def _rows_cols(acc_layout: cute.Layout) -> cute.Layout:
+    """View of a wgmma accumulator fragment ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread.
+
+    In a fragment value (c, r, j): c picks one of the two adjacent columns of an 8-column group j, r picks row
+    lane/4 or lane/4 + 8 of the warp's 16 rows. So rows = (r, MMA_M), cols = (c, j, MMA_N)."""
+    s, d = acc_layout.shape, acc_layout.stride
+    return cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+                            stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+
+
+def _acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
+    """The 16-bit A fragment (k16 blocks) that aliases a (rounded) accumulator fragment of the previous MMA.
+
+    Accumulator columns 16k .. 16k+15 are two 8-column groups (2k, 2k+1); an A fragment of k-block k holds the
+    same (row, column) pairs in the order (c, r, half), so it is the accumulator with its group mode split
+    in (2, N/16): no data moves (the FA2/FA3 identity for 16-bit P)."""
+    s, d = acc_layout.shape, acc_layout.stride
+    return cute.make_layout(((s[0][0], s[0][1], 2), s[1], s[0][2] // 2),
+                            stride=((d[0][0], d[0][1], d[0][2]), d[1], d[0][2] * 2))
+
+
+def _consumer_state(count, stages: int) -> pipeline.PipelineState:
+    """Consumer state of the ``count``-th tile of a ``stages``-deep ring (consumers start at phase 0)."""
+    count = Int32(count)
+    return pipeline.PipelineState(stages, count, count % stages, (count // stages) % 2)
+
+
+class QKInt8PrefillSm90:
+    """INT8-QK prefill attention for one :class:`PrefillConfig`; see the module docstring."""
+
+    num_threads = 384
+    producer_regs = 24
+    mma_regs = 240
+
+    def __init__(self, cfg: PrefillConfig):
+        self.cfg = cfg
+        self.D = cfg.head_dim
+        self.v_dtype = BFloat16 if cfg.v_dtype == "bf16" else Float16
+
+    @property
+    def key(self) -> tuple:
+        return self.cfg.key
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        q_addr: Int64, k_addr: Int64, v_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        q_scale_addr: Int64, k_scale_addr: Int64,
+        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg, D, vdt = self.cfg, self.D, self.v_dtype
+        TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
+        gmem = cute.AddressSpace.gmem
+        # FlashAttention layouts, (batch, seqlen, heads, head_dim) contiguous; viewed (seqlen, dim, head, batch).
+        q_row, k_row = num_heads * D, num_kv_heads * D
+        mQ = cute.make_tensor(cute.make_ptr(Int8, q_addr, gmem, assumed_align=16),
+                              cute.make_layout((seqlen_q, D, num_heads, batch),
+                                               stride=(q_row, 1, D, seqlen_q * q_row)))
+        mK = cute.make_tensor(cute.make_ptr(Int8, k_addr, gmem, assumed_align=16),
+                              cute.make_layout((seqlen_k, D, num_kv_heads, batch),
+                                               stride=(k_row, 1, D, seqlen_k * k_row)))
+        # V as the B operand of P x V: (N = dim, K = keys), dim contiguous ("MN-major").
+        mV = cute.make_tensor(cute.make_ptr(vdt, v_addr, gmem, assumed_align=16),
+                              cute.make_layout((D, seqlen_k, num_kv_heads, batch),
+                                               stride=(1, k_row, D, seqlen_k * k_row)))
+
+        # Two copies of the QK^T MMA, for the first k-block (overwrite) and the others (accumulate): the
+        # ACCUMULATE field is set once per copy at the top of the consumer, never inside a staged branch.
+        mma_qk, mma_qk_acc = [sm90_utils.make_trivial_tiled_mma(
+            Int8, Int8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Int32, (TM // 64, 1, 1),
+            (64, TN)) for _ in range(2)]
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            vdt, vdt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
+            (64, D), warpgroup.OperandSource.RMEM)
+
+        sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, 1),
+                                (None, None, 0))
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, ST)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TM, D, TN), vdt, ST)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TM, D))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (TN, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, TN))
+        self.q_bytes = cute.size_in_bytes(Int8, sQ_layout)
+        self.k_bytes = cute.size_in_bytes(Int8, cute.slice_(sK_layout, (None, None, 0)))
+        self.v_bytes = cute.size_in_bytes(vdt, cute.slice_(sV_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[Int64, 2]
+            k_mbar: cute.struct.MemRange[Int64, ST * 2]
+            v_mbar: cute.struct.MemRange[Int64, ST * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[vdt, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_m_blocks = (seqlen_q + TM - 1) // TM
+        self.kernel(
+            mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+            o_addr, lse_addr, q_scale_addr, k_scale_addr, seqlen_q, seqlen_k, num_heads, num_kv_heads,
+            num_q_groups, num_k_blocks, scale_log2,
+        ).launch(grid=(num_m_blocks, num_heads, batch), block=(self.num_threads, 1, 1), stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mma_qk: cute.TiledMma, mma_qk_acc: cute.TiledMma, mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_v: cute.CopyAtom, tV: cute.Tensor,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
+        seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+    ):
+        cfg, D, vdt = self.cfg, self.D, self.v_dtype
+        TM, TN = cfg.tile_m, cfg.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        bid_m, h, b = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        # Longest causal rows first: the last query tiles see the most keys.
+        m_block = bid_m
+        if cutlass.const_expr(cfg.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bid_m
+        group = num_heads // num_kv_heads
+        h_kv = h // group
+
+        # Keys this tile reads: all of them, or (causal) up to the last row's diagonal.
+        n_blocks = (seqlen_k + TN - 1) // TN
+        if cutlass.const_expr(cfg.causal):
+            last_key = cutlass.min(seqlen_k, (m_block + 1) * TM + seqlen_k - seqlen_q)
+            n_blocks = cutlass.max(last_key + TN - 1, 0) // TN
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)  # one arrive per MMA warp
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
+        k_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_mbar.data_ptr(), num_stages=cfg.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+        v_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_mbar.data_ptr(), num_stages=cfg.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp == 0:
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                gQ = cute.local_tile(tQ[None, None, h, b], (TM, D), (m_block, 0))
+                gK = cute.local_tile(tK[None, None, h_kv, b], (TN, D), (None, 0))
+                gV = cute.local_tile(tV[None, None, h_kv, b], (D, TN), (0, None))
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                 cute.group_modes(gQ, 0, 2))
+                tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                 cute.group_modes(gK, 0, 2))
+                tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                 cute.group_modes(gV, 0, 2))
+                q_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_pipe.producer_acquire(q_prod)
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_prod))
+                kv_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stages)
+                for n in cutlass.range(n_blocks, unroll=1):
+                    k_pipe.producer_acquire(kv_prod)
+                    cute.copy(tma_k, tKg[None, n], tKs[None, kv_prod.index],
+                              tma_bar_ptr=k_pipe.producer_get_barrier(kv_prod))
+                    v_pipe.producer_acquire(kv_prod)
+                    cute.copy(tma_v, tVg[None, n], tVs[None, kv_prod.index],
+                              tma_bar_ptr=v_pipe.producer_get_barrier(kv_prod))
+                    kv_prod.advance()
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
+                          q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, seqlen_q,
+                          seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
+                 k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, num_heads, num_kv_heads,
+                 num_q_groups, num_k_blocks, scale_log2):
+        cfg, D, vdt = self.cfg, self.D, self.v_dtype
+        TM, TN = cfg.tile_m, cfg.tile_n
+        gmem = cute.AddressSpace.gmem
+        thr_qk = mma_qk.get_slice(ctid)
+        thr_pv = mma_pv.get_slice(ctid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TM, TN)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TM, D)))
+        acc_o.fill(0.0)
+        # O always accumulates (it starts at 0). Set once here: a field set inside a staged branch would leave
+        # the MMA object holding a value that does not dominate later uses.
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
+        # (row, col) inside the tile of every accumulator value, for masks and stores
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TM, TN)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TM, D)))
+        s_rc = _rows_cols(acc_s.layout)
+        o_rc = _rows_cols(acc_o.layout)
+        assert cute.size(o_rc, mode=[0]) == 2  # one 64-row MMA per warpgroup: rows lane/4, lane/4 + 8
+        n_rows = cute.size(s_rc, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # This thread's q scale (times softmax_scale * log2 e): per warp = its 16 rows, per block = the CTA.
+        q_group = m_block
+        if cutlass.const_expr(cfg.granularity == "per_warp"):
+            q_group = m_block * (TM // 16) + ctid // 32
+        q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
+                                   cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
+        mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),
+                               cute.make_layout(1 << 30))
+        ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
+        qs_log2 = q_scale * scale_log2
+        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+
+        q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_pipe.consumer_wait(q_cons)
+        # The fp32 scores live in the registers of the int32 accumulator (converted in place): the next QK^T
+        # overwrites them only after P has been taken out of them.
+        s = cute.recast_tensor(acc_s, Float32)
+        p_lo = cute.make_rmem_tensor(acc_s.layout, vdt)
+        tOrP = cute.make_tensor(p_lo.iterator, _acc_as_a_operand(p_lo.layout))
+        corr = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        # Software pipeline (FA3's intra-warpgroup overlap): the QK^T of tile n and the PV of tile n-1 are in
+        # flight together; the exponentials of tile n run while the PV wgmma still executes. Pipeline states
+        # are derived from the tile index (no state object is carried across the staged branches).
+        if n_blocks > 0:
+            st = _consumer_state(0, cfg.kv_stages)
+            self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(st)
+            self._scores(acc_s, s, tScS, qs_log2 * mKS[ks_base], 0, m_block, seqlen_k, diag)
+            self._softmax(s, s_rc, row_max, row_sum, corr)
+            p_lo.store(s.load().to(vdt))
+        for n in cutlass.range(1, n_blocks, unroll=1):
+            st = _consumer_state(n, cfg.kv_stages)
+            st_prev = _consumer_state(n - 1, cfg.kv_stages)
+            self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
+            self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st_prev)
+            warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
+            k_pipe.consumer_release(st)
+            self._scores(acc_s, s, tScS, qs_log2 * mKS[ks_base + n], n * TN, m_block, seqlen_k, diag)
+            self._softmax(s, s_rc, row_max, row_sum, corr)
+            warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
+            v_pipe.consumer_release(st_prev)
+            o_mn = cute.make_tensor(acc_o.iterator, o_rc)
+            for i in cutlass.range_constexpr(n_rows):
+                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[i, j] = o_mn[i, j] * corr[i]
+            p_lo.store(s.load().to(vdt))
+        if n_blocks > 0:
+            st = _consumer_state(n_blocks - 1, cfg.kv_stages)
+            self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st)
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(st)
+
+        # ---- epilogue: normalise, store O (bf16/fp16) and the natural-log LSE of valid rows
+        mO = cute.make_tensor(cute.make_ptr(vdt, o_addr, gmem, assumed_align=16),
+                              cute.make_layout((seqlen_q, D), stride=(num_heads * D, 1)))
+        o_off = (b * seqlen_q * num_heads + h) * D
+        mO = cute.make_tensor(mO.iterator + o_off, mO.layout)
+        mLSE = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
+                                cute.make_layout(seqlen_q))
+        mLSE = cute.make_tensor(mLSE.iterator + (b * num_heads + h) * seqlen_q, mLSE.layout)
+        inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        for i in cutlass.range_constexpr(n_rows):
+            total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
+            inv_sum[i] = 0.0
+            lse = -Float32.inf
+            if total > 0.0:
+                inv_sum[i] = 1.0 / total
+                lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * _LN2
+            # this thread's rows are lane/4 and lane/4 + 8 of its warp's 16 (wgmma accumulator layout)
+            r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
+            if ctid % 4 == 0 and r < seqlen_q:
+                mLSE[r] = lse
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            r, c = tOcO[i]
+            row = m_block * TM + r
+            inv = inv_sum[0]
+            if (r % 16) >= 8:
+                inv = inv_sum[1]
+            if row < seqlen_q:
+                mO[row, c] = (acc_o[i] * inv).to(vdt)
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _issue_qk(self, mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, k_cons: pipeline.PipelineState):
+        """Wait for K tile ``k_cons`` and issue S = Q K^T (int8 SS wgmma, int32) without waiting for it."""
+        k_pipe.consumer_wait(k_cons)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma_qk if kb == 0 else mma_qk_acc, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, k_cons.index], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, mma_pv, acc_o, tOrP, tOrV, v_pipe, v_cons: pipeline.PipelineState):
+        """Wait for V tile ``v_cons`` and issue O += P V (RS wgmma) without waiting for it."""
+        v_pipe.consumer_wait(v_cons)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, v_cons.index], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _scores(self, acc_s, s, tScS, scale, col0, m_block, seqlen_k, diag):
+        """s = float(acc_s) * scale (log2 domain), keys a row may not see set to -inf; ``s`` aliases ``acc_s``.
+
+        int32 -> fp32 without I2F (a quarter-rate conversion on SM90, as costly as the exp2 of softmax): for
+        |x| < 2^22, the bits of x + 0x4B400000 are the float 1.5 * 2^23 + x, so one integer add and one exact
+        float subtract give float(x). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128."""
+        cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
+        acc_s.store(acc_s.load() + Int32(0x4B400000))
+        s.store((s.load() - Float32(12582912.0)) * scale)
+        # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
+        # to its first row
+        first_row_end = seqlen_k
+        if cutlass.const_expr(cfg.causal):
+            first_row_end = cutlass.min(seqlen_k, m_block * TM + diag + 1)
+        if col0 + TN > first_row_end:
+            for i in cutlass.range(cute.size(s), unroll_full=True):
+                r, c = tScS[i]
+                key_end = seqlen_k
+                if cutlass.const_expr(cfg.causal):
+                    key_end = cutlass.min(seqlen_k, m_block * TM + r + diag + 1)
+                if col0 + c >= key_end:
+                    s[i] = -Float32.inf
+
+    @cute.jit
+    def _softmax(self, s, s_rc, row_max, row_sum, corr):
+        """Online softmax step: s -> exp2(s - new max) in place; running max / sum updated; ``corr`` gets the
+        factor exp2(old max - new max) the caller applies to O. A quad of lanes shares each row."""
+        s_mn = cute.make_tensor(s.iterator, s_rc)
+        for i in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            m_new = row_max[i]
+            for j in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                m_new = cute.arch.fmax(m_new, s_mn[i, j])
+            m_new = cute.arch.warp_reduction(m_new, cute.arch.fmax, threads_in_group=4)
+            m_use = m_new
+            if m_new == -Float32.inf:  # nothing visible yet: keep exp2(-inf - 0) = 0, avoid inf - inf
+                m_use = 0.0
+            corr[i] = cute.math.exp2(row_max[i] - m_use, fastmath=True)
+            row_max[i] = m_new
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                p = cute.math.exp2(s_mn[i, j] - m_use, fastmath=True)
+                s_mn[i, j] = p
+                part += p
+            row_sum[i] = row_sum[i] * corr[i] + part

@@ -1,0 +1,178 @@
+"""Torch entry points of the SM90 INT8-QK prefill kernel: ``flash_attn_func`` (FlashAttention's argument names)
+and ``prefill_int8`` (the attention kernel alone, on already-quantized Q/K).
+
+Thin by design: validate host-known facts, pick the compiled kernel from the shared compile cache (key = arch +
+:class:`~qattn.cute_kernels.sm90.prefill_config.PrefillConfig`), launch on torch's current stream. No host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
+from .variants import cache_for
+
+__all__ = ["flash_attn_func", "prefill_int8", "prefill_compile_args"]
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def prefill_compile_args():
+    """Placeholder arguments (fake addresses, fake stream) to compile a prefill kernel without a GPU."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+
+
+def _check_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise ValueError(f"q: device {device} is sm_{major}{minor}; the INT8-QK prefill kernel is built for SM90 "
+                         "(H100/H200) only (no fallback)")
+    return "sm_90a"
+
+
+def _check(t, name: str, dtype, shape, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def prefill_int8(
+    q_int8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_int8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    granularity: str = "per_warp",
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+):
+    """Attention on INT8 Q/K already quantized by ``qattn.quant.quantize_qk_int8`` (same block sizes:
+    block_q 128, warp_q 16, block_k 128) and V (batch, seqlen_k, num_kv_heads, head_dim) bf16/fp16.
+
+    Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
+    softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
+    num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
+    fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
+    """
+    for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected shape (batch, seqlen, heads, head_dim), got {tuple(t.shape)}")
+    dev = q_int8.device
+    B, Sq, Hq, D = q_int8.shape
+    Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
+    if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
+        raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
+    if v.dtype not in _DTYPES:
+        raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k_int8: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    _check(k_int8, "k_int8", torch.int8, (B, Sk, Hkv, D), dev)
+    _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
+    if Sq < 1 or Sk < 1:
+        raise ValueError(f"q_int8: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
+    if granularity not in ("per_warp", "per_block"):
+        raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
+    n_qb = -(-Sq // BLOCK_Q)
+    n_qg = n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb
+    n_kb = -(-Sk // BLOCK_K)
+    _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
+    _check(k_scale, "k_scale", torch.float32, (B, Hkv, n_kb), dev)
+    if max(q_int8.numel(), k_int8.numel()) >= 2**31:
+        raise ValueError("q_int8: too large for the kernel's 32-bit indexing; split the batch")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    if not q_int8.is_cuda:
+        raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
+    if out is not None:
+        _check(out, "out", v.dtype, (B, Sq, Hq, D), dev)
+        if not out.is_contiguous() or out.data_ptr() % 16:
+            raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
+    else:
+        out = torch.empty((B, Sq, Hq, D), dtype=v.dtype, device=dev)
+    arch = _check_arch(dev)
+    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity)
+
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    from ..cute_kernels.compile_utils import compile_for_arch
+    from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
+
+    q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
+    q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+    with torch.cuda.device(dev):
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        kern = cache_for("prefill").get(
+            (arch,) + cfg.key,
+            lambda: compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0])
+        kern(Int64(q_int8.data_ptr()), Int64(k_int8.data_ptr()), Int64(v.data_ptr()), Int64(out.data_ptr()),
+             Int64(lse.data_ptr()), Int64(q_scale.data_ptr()), Int64(k_scale.data_ptr()),
+             Int32(B), Int32(Sq), Int32(Sk), Int32(Hq), Int32(Hkv), Int32(n_qg), Int32(n_kb),
+             Float32(softmax_scale * math.log2(math.e)), stream)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    qk_quant: Optional[str] = "int8",
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    pv_dtype: str = "bf16",
+    return_lse: bool = False,
+):
+    """FlashAttention's ``flash_attn_func`` with SageAttention-style INT8 Q/K: q (batch, seqlen_q, num_heads,
+    head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
+
+    Two launches on the current stream: the prepass (``qattn.quant.quantize_qk_int8``: int8 Q/K with fp32 scales,
+    K minus its per-channel mean when ``smooth_k``) and the attention kernel (:func:`prefill_int8`). P x V runs
+    in V's dtype (``pv_dtype="bf16"`` means "V's 16-bit dtype"). Returns out like q's dtype and, with
+    ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
+    """
+    if qk_quant != "int8":
+        raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
+    if pv_dtype != "bf16":
+        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented so far, got {pv_dtype!r}")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    from ..quant.launch import quantize_qk_int8
+
+    q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                         warp_q=WARP_Q, block_k=BLOCK_K)
+    return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
+                        return_lse=return_lse)

@@ -1,0 +1,54 @@
+"""CPU: every shipped SM90 INT8-QK prefill variant compiles for sm_90a, and its PTX has the instructions the
+design depends on (int8 and 16-bit wgmma, TMA loads, register re-allocation, no I2F, no local memory)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count, ptx_has
+from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+from qattn.interface.prefill import prefill_compile_args
+
+pytestmark = pytest.mark.compile
+
+_PTX = {"bf16": "bf16", "fp16": "f16"}
+VARIANTS = list(itertools.product((64, 128), ("bf16", "fp16"), (False, True), ("per_warp", "per_block")))
+
+
+def _compile(cfg):
+    from qattn.cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
+
+    return compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch="sm_90a")[1]
+
+
+@pytest.mark.parametrize("D,v_dtype,causal,granularity", VARIANTS)
+def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granularity):
+    ptx = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity))
+    # Q K^T: D/32 int8 k-steps; P V: 128/16 k-steps in V's dtype; both in the prologue/epilogue and the loop
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
+    assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{_PTX[v_dtype]}.{_PTX[v_dtype]}") == 2 * 8
+    assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3  # Q, K, V (a 256-byte V row is two 128-byte boxes)
+    assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
+    assert not ptx_has(ptx, "cvt.rn.f32.s32"), "int32 scores must be converted without I2F"
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+def test_config_key_separates_every_field():
+    base = PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
+    others = [PrefillConfig(head_dim=64, v_dtype="bf16", causal=False, granularity="per_warp"),
+              PrefillConfig(head_dim=128, v_dtype="fp16", causal=False, granularity="per_warp"),
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp"),
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_block"),
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", kv_stages=3)]
+    keys = {c.key for c in others} | {base.key}
+    assert len(keys) == len(others) + 1
+
+
+@pytest.mark.parametrize("kw,err", [(dict(head_dim=96), "head_dim"), (dict(v_dtype="fp8"), "v_dtype"),
+                                    (dict(granularity="per_thread"), "granularity"), (dict(kv_stages=1), "kv_stages")])
+def test_config_rejects_unsupported(kw, err):
+    args = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp") | kw
+    with pytest.raises(ValueError, match=err):
+        PrefillConfig(**args)

@@ -1,0 +1,54 @@
+"""CPU: the prefill entry points reject bad inputs with clear errors before any launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qattn.interface.prefill import flash_attn_func, prefill_int8
+
+
+def _args(B=1, Sq=200, Sk=300, Hq=4, Hkv=2, D=64):
+    q8 = torch.zeros(B, Sq, Hq, D, dtype=torch.int8)
+    k8 = torch.zeros(B, Sk, Hkv, D, dtype=torch.int8)
+    v = torch.ones(B, Sk, Hkv, D, dtype=torch.bfloat16)
+    qs = torch.ones(B, Hq, 2 * 8)
+    ks = torch.ones(B, Hkv, 3)
+    return q8, qs, k8, ks, v
+
+
+def test_valid_shapes_only_fail_on_device():
+    with pytest.raises(ValueError, match="CUDA"):
+        prefill_int8(*_args())
+
+
+@pytest.mark.parametrize("mutate,err", [
+    (lambda a: (a[0].float(),) + a[1:], "int8"),
+    (lambda a: a[:4] + (a[4].float(),), "v: expected dtype"),
+    (lambda a: (torch.zeros(1, 200, 4, 96, dtype=torch.int8),) + a[1:], "head_dim"),
+    (lambda a: (torch.zeros(1, 200, 3, 64, dtype=torch.int8),) + a[1:], "num_kv_heads"),
+    (lambda a: (a[0], torch.ones(1, 4, 2)) + a[2:], "q_scale"),
+    (lambda a: a[:3] + (torch.ones(1, 2, 2),) + a[4:], "k_scale"),
+    (lambda a: a[:4] + (a[4][:, :10],), "v: expected shape"),
+])
+def test_bad_inputs_are_rejected(mutate, err):
+    with pytest.raises((TypeError, ValueError), match=err):
+        prefill_int8(*mutate(_args()))
+
+
+def test_per_block_scale_shape():
+    q8, _, k8, ks, v = _args()
+    with pytest.raises(ValueError, match="q_scale"):
+        prefill_int8(q8, torch.ones(1, 4, 16), k8, ks, v, granularity="per_block")
+    with pytest.raises(ValueError, match="CUDA"):
+        prefill_int8(q8, torch.ones(1, 4, 2), k8, ks, v, granularity="per_block")
+
+
+def test_flash_attn_func_rejects_unimplemented_modes():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="qk_quant"):
+        flash_attn_func(q, q, q, qk_quant="fp8")
+    with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_func(q, q, q, pv_dtype="fp8")
+    with pytest.raises(TypeError, match="one dtype"):
+        flash_attn_func(q, q.half(), q)
