@@ -64,6 +64,7 @@ def prefill_int8(
     granularity: str = "per_warp",
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    _tuning: Optional[dict] = None,
 ):
     """Attention on INT8 Q/K already quantized by ``qattn.quant.quantize_qk_int8`` (same block sizes:
     block_q 128, warp_q 16, block_k 128) and V (batch, seqlen_k, num_kv_heads, head_dim) bf16/fp16.
@@ -115,7 +116,8 @@ def prefill_int8(
     else:
         out = torch.empty((B, Sq, Hq, D), dtype=v.dtype, device=dev)
     arch = _check_arch(dev)
-    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity)
+    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
+                        **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides for A/B benchmarks
 
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64

@@ -30,6 +30,7 @@ class PrefillConfig:
     granularity: str  # q scale granularity, "per_warp" | "per_block"
     varlen: bool = False
     kv_stages: int = 2
+    pingpong: bool = True  # the two MMA warpgroups take turns issuing their wgmmas (named barriers)
     tile_m: int = BLOCK_Q
     tile_n: int = BLOCK_K
 
@@ -49,4 +50,5 @@ class PrefillConfig:
     def key(self) -> tuple:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
         return ("prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype, self.causal,
-                self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.tile_m, self.tile_n)
+                self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
+                self.tile_n)

@@ -296,23 +296,30 @@ class QKInt8PrefillSm90:
         # Software pipeline (FA3's intra-warpgroup overlap): the QK^T of tile n and the PV of tile n-1 are in
         # flight together; the exponentials of tile n run while the PV wgmma still executes. Pipeline states
         # are derived from the tile index (no state object is carried across the staged branches).
+        wg = ctid // 128
         if n_blocks > 0:
+            if wg == 1:  # warpgroup 0 takes the first turn
+                self._turn_done(0)
             st = _consumer_state(0, cfg.kv_stages)
+            self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
+            self._turn_done(1 - wg)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(st)
-            self._scores(acc_s, s, tScS, qs_log2 * mKS[ks_base], 0, m_block, seqlen_k, diag)
-            self._softmax(s, s_rc, row_max, row_sum, corr)
+            self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, diag)
+            self._softmax(s, s_rc, qs_log2 * mKS[ks_base], row_max, row_sum, corr)
             p_lo.store(s.load().to(vdt))
         for n in cutlass.range(1, n_blocks, unroll=1):
             st = _consumer_state(n, cfg.kv_stages)
             st_prev = _consumer_state(n - 1, cfg.kv_stages)
+            self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
             self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st_prev)
+            self._turn_done(1 - wg)
             warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
             k_pipe.consumer_release(st)
-            self._scores(acc_s, s, tScS, qs_log2 * mKS[ks_base + n], n * TN, m_block, seqlen_k, diag)
-            self._softmax(s, s_rc, row_max, row_sum, corr)
+            self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
+            self._softmax(s, s_rc, qs_log2 * mKS[ks_base + n], row_max, row_sum, corr)
             warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
             v_pipe.consumer_release(st_prev)
             o_mn = cute.make_tensor(acc_o.iterator, o_rc)
@@ -322,7 +329,10 @@ class QKInt8PrefillSm90:
             p_lo.store(s.load().to(vdt))
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
+            self._my_turn(wg)
             self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st)
+            if wg == 0:  # warpgroup 1's last turn follows; nobody waits after it
+                self._turn_done(1)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(st)
 
@@ -356,6 +366,20 @@ class QKInt8PrefillSm90:
                 mO[row, c] = (acc_o[i] * inv).to(vdt)
 
     # ----------------------------------------------------------------------------------------------
+    # Ping-pong (FA3): the warpgroups alternate issuing their wgmmas, so one runs its softmax while the other's
+    # MMAs occupy the tensor cores. Named barrier 1 + w = "warpgroup w may issue": w syncs on it (128 threads),
+    # the other warpgroup arrives on it (128 threads) when its own issue phase is over. Both warpgroups have
+    # n_blocks + 1 issue phases; warpgroup 1 gets the first arrive for free and skips its very last one.
+    @cute.jit
+    def _my_turn(self, wg):
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+
+    @cute.jit
+    def _turn_done(self, other_wg):
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier_arrive(barrier_id=1 + other_wg, number_of_threads=256)
+
     @cute.jit
     def _issue_qk(self, mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, k_cons: pipeline.PipelineState):
         """Wait for K tile ``k_cons`` and issue S = Q K^T (int8 SS wgmma, int32) without waiting for it."""
@@ -375,15 +399,15 @@ class QKInt8PrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _scores(self, acc_s, s, tScS, scale, col0, m_block, seqlen_k, diag):
-        """s = float(acc_s) * scale (log2 domain), keys a row may not see set to -inf; ``s`` aliases ``acc_s``.
+    def _scores(self, acc_s, s, tScS, col0, m_block, seqlen_k, diag):
+        """s = float(acc_s), keys a row may not see set to -inf; ``s`` aliases ``acc_s``.
 
         int32 -> fp32 without I2F (a quarter-rate conversion on SM90, as costly as the exp2 of softmax): for
         |x| < 2^22, the bits of x + 0x4B400000 are the float 1.5 * 2^23 + x, so one integer add and one exact
         float subtract give float(x). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128."""
         cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
         acc_s.store(acc_s.load() + Int32(0x4B400000))
-        s.store((s.load() - Float32(12582912.0)) * scale)
+        s.store(s.load() - Float32(12582912.0))
         # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
         # to its first row
         first_row_end = seqlen_k
@@ -399,15 +423,20 @@ class QKInt8PrefillSm90:
                     s[i] = -Float32.inf
 
     @cute.jit
-    def _softmax(self, s, s_rc, row_max, row_sum, corr):
-        """Online softmax step: s -> exp2(s - new max) in place; running max / sum updated; ``corr`` gets the
-        factor exp2(old max - new max) the caller applies to O. A quad of lanes shares each row."""
+    def _softmax(self, s, s_rc, scale, row_max, row_sum, corr):
+        """Online softmax step on integer-valued scores ``s`` of one tile whose true log2-domain logits are
+        ``s * scale`` (scale = q_scale * k_scale * softmax_scale * log2 e > 0, one value per row and tile).
+
+        s -> exp2(s * scale - new max) in place (one FFMA + ex2 per score: since scale > 0 the row max is taken
+        on the raw integers and scaled once); running max (log2 domain) / sum updated; ``corr`` gets the factor
+        exp2(old max - new max) that the caller applies to O. A quad of lanes shares each row."""
         s_mn = cute.make_tensor(s.iterator, s_rc)
         for i in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-            m_new = row_max[i]
-            for j in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                m_new = cute.arch.fmax(m_new, s_mn[i, j])
-            m_new = cute.arch.warp_reduction(m_new, cute.arch.fmax, threads_in_group=4)
+            mx = s_mn[i, 0]
+            for j in cutlass.range_constexpr(1, cute.size(s_rc, mode=[1])):
+                mx = cute.arch.fmax(mx, s_mn[i, j])
+            mx = cute.arch.warp_reduction(mx, cute.arch.fmax, threads_in_group=4)
+            m_new = cute.arch.fmax(row_max[i], mx * scale)
             m_use = m_new
             if m_new == -Float32.inf:  # nothing visible yet: keep exp2(-inf - 0) = 0, avoid inf - inf
                 m_use = 0.0
@@ -415,7 +444,7 @@ class QKInt8PrefillSm90:
             row_max[i] = m_new
             part = Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                p = cute.math.exp2(s_mn[i, j] - m_use, fastmath=True)
+                p = cute.math.exp2(s_mn[i, j] * scale - m_use, fastmath=True)
                 s_mn[i, j] = p
                 part += p
             row_sum[i] = row_sum[i] * corr[i] + part
