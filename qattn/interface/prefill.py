@@ -15,7 +15,7 @@ import torch
 from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
 from .variants import cache_for
 
-__all__ = ["flash_attn_func", "prefill_int8", "prefill_compile_args"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -25,7 +25,7 @@ def prefill_compile_args():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), cute.runtime.make_fake_stream()]
 
 
 def _check_arch(device: torch.device) -> str:
@@ -50,6 +50,31 @@ def _check(t, name: str, dtype, shape, device) -> None:
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
+            num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
+            softmax_scale: float) -> None:
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    from ..cute_kernels.compile_utils import compile_for_arch
+    from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
+
+    dev = q_int8.device
+    arch = _check_arch(dev)
+
+    def addr(t):
+        return Int64(0 if t is None else t.data_ptr())
+
+    with torch.cuda.device(dev):
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        kern = cache_for("prefill").get(
+            (arch,) + cfg.key,
+            lambda: compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0])
+        kern(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
+             addr(cu_k), Int32(batch), Int32(num_seqs), Int32(seqlen_q), Int32(seqlen_k), Int32(max_seqlen_q),
+             Int32(Hq), Int32(Hkv), Int32(n_qg), Int32(n_kb), Float32(softmax_scale * math.log2(math.e)), stream)
 
 
 def prefill_int8(
@@ -115,28 +140,100 @@ def prefill_int8(
             raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
     else:
         out = torch.empty((B, Sq, Hq, D), dtype=v.dtype, device=dev)
-    arch = _check_arch(dev)
+    _check_arch(dev)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
                         **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides for A/B benchmarks
 
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32, Int64
-
-    from ..cute_kernels.compile_utils import compile_for_arch
-    from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
-
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
-    q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
-    with torch.cuda.device(dev):
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        kern = cache_for("prefill").get(
-            (arch,) + cfg.key,
-            lambda: compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0])
-        kern(Int64(q_int8.data_ptr()), Int64(k_int8.data_ptr()), Int64(v.data_ptr()), Int64(out.data_ptr()),
-             Int64(lse.data_ptr()), Int64(q_scale.data_ptr()), Int64(k_scale.data_ptr()),
-             Int32(B), Int32(Sq), Int32(Sk), Int32(Hq), Int32(Hkv), Int32(n_qg), Int32(n_kb),
-             Float32(softmax_scale * math.log2(math.e)), stream)
+    _launch(cfg, q_int8, k_int8, v, out, lse, q_scale.contiguous(), k_scale.contiguous(), None, None,
+            B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+def prefill_int8_varlen(
+    q_int8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_int8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    granularity: str = "per_warp",
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    _tuning: Optional[dict] = None,
+):
+    """:func:`prefill_int8` for packed sequences (FlashAttention's varlen layout): q_int8 (total_q, num_heads,
+    head_dim), k_int8 and v (total_k, num_kv_heads, head_dim); sequence i owns rows cu_seqlens[i] ..
+    cu_seqlens[i+1] (int32, num_seqs + 1 entries, on the device). Scales as ``quantize_qk_int8_varlen`` makes
+    them, padded per sequence: q_scale (num_seqs, num_heads, groups of max_seqlen_q), k_scale (num_seqs,
+    num_kv_heads, ceil(max_seqlen_k / 128)). Returns out (total_q, num_heads, head_dim) and, with ``return_lse``,
+    LSE (num_heads, total_q). cu_seqlens contents are not read on the host (no sync): they must be
+    non-decreasing, start at 0, end at the totals, and no sequence may exceed ``max_seqlen_q`` / ``max_seqlen_k``.
+    """
+    for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (total_rows, heads, head_dim), got {tuple(t.shape)}")
+    dev = q_int8.device
+    Tq, Hq, D = q_int8.shape
+    Tk, Hkv = k_int8.shape[0], k_int8.shape[1]
+    if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
+        raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
+    if v.dtype not in _DTYPES:
+        raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k_int8: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    _check(k_int8, "k_int8", torch.int8, (Tk, Hkv, D), dev)
+    _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
+    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2 or t.device != dev:
+            raise ValueError(f"{name}: expected a 1-d int32 tensor of num_seqs + 1 >= 2 entries on {dev}")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_k: expected {num_seqs + 1} entries like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    for m, name, total in ((max_seqlen_q, "max_seqlen_q", Tq), (max_seqlen_k, "max_seqlen_k", Tk)):
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= max(total, 1):
+            raise ValueError(f"{name}: expected an int in [1, {total}], got {m!r}")
+    if granularity not in ("per_warp", "per_block"):
+        raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
+    n_qb = -(-max_seqlen_q // BLOCK_Q)
+    n_qg = n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb
+    n_kb = -(-max_seqlen_k // BLOCK_K)
+    _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
+    _check(k_scale, "k_scale", torch.float32, (num_seqs, Hkv, n_kb), dev)
+    if max(q_int8.numel(), k_int8.numel()) >= 2**31:
+        raise ValueError("q_int8: too large for the kernel's 32-bit indexing")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    if not q_int8.is_cuda:
+        raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
+    if out is not None:
+        _check(out, "out", v.dtype, (Tq, Hq, D), dev)
+        if not out.is_contiguous() or out.data_ptr() % 16:
+            raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
+    else:
+        out = torch.empty((Tq, Hq, D), dtype=v.dtype, device=dev)
+    _check_arch(dev)
+    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
+                        varlen=True, **(_tuning or {}))
+    q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
+    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
+    _launch(cfg, q_int8, k_int8, v, out, lse, q_scale.contiguous(), k_scale.contiguous(), cu_seqlens_q.contiguous(),
+            cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale)
     return (out, lse) if return_lse else out
 
 
@@ -178,3 +275,45 @@ def flash_attn_func(
                                          warp_q=WARP_Q, block_k=BLOCK_K)
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                         return_lse=return_lse)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    qk_quant: Optional[str] = "int8",
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    pv_dtype: str = "bf16",
+    return_lse: bool = False,
+):
+    """FlashAttention's ``flash_attn_varlen_func`` with INT8 Q/K: q (total_q, num_heads, head_dim), k and v
+    (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
+    (``qattn.quant.quantize_qk_int8_varlen``: groups never cross sequences, K smoothed per sequence) + kernel
+    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q)."""
+    if qk_quant != "int8":
+        raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
+    if pv_dtype != "bf16":
+        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented so far, got {pv_dtype!r}")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    from ..quant.launch import quantize_qk_int8_varlen
+
+    q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                                warp_q=WARP_Q, block_k=BLOCK_K)
+    return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal=causal, softmax_scale=softmax_scale, granularity=granularity,
+                               return_lse=return_lse)

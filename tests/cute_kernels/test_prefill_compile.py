@@ -14,7 +14,8 @@ from qattn.interface.prefill import prefill_compile_args
 pytestmark = pytest.mark.compile
 
 _PTX = {"bf16": "bf16", "fp16": "f16"}
-VARIANTS = list(itertools.product((64, 128), ("bf16", "fp16"), (False, True), ("per_warp", "per_block")))
+VARIANTS = [v + (False,) for v in itertools.product((64, 128), ("bf16", "fp16"), (False, True), ("per_warp", "per_block"))]
+VARIANTS += [(D, "bf16", causal, "per_warp", True) for D in (64, 128) for causal in (False, True)]  # varlen
 
 
 def _compile(cfg):
@@ -23,9 +24,9 @@ def _compile(cfg):
     return compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch="sm_90a")[1]
 
 
-@pytest.mark.parametrize("D,v_dtype,causal,granularity", VARIANTS)
-def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granularity):
-    ptx = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity))
+@pytest.mark.parametrize("D,v_dtype,causal,granularity,varlen", VARIANTS)
+def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granularity, varlen):
+    ptx = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity, varlen=varlen))
     # Q K^T: D/32 int8 k-steps; P V: 128/16 k-steps in V's dtype; both in the prologue/epilogue and the loop
     assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
     assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{_PTX[v_dtype]}.{_PTX[v_dtype]}") == 2 * 8
@@ -41,7 +42,9 @@ def test_config_key_separates_every_field():
               PrefillConfig(head_dim=128, v_dtype="fp16", causal=False, granularity="per_warp"),
               PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp"),
               PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_block"),
-              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", kv_stages=3)]
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", kv_stages=3),
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", pingpong=False),
+              PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", varlen=True)]
     keys = {c.key for c in others} | {base.key}
     assert len(keys) == len(others) + 1
 

@@ -9,6 +9,7 @@ Run as a script for a quick timing: ``python tests/gpu/test_prefill_gpu.py --ben
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 
@@ -104,6 +105,21 @@ def test_format_error_vs_exact_attention(dtype, case):
     assert cos >= min_cos and nrmse <= max_nrmse, (cos, nrmse)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_scales_give_no_nan(causal):
+    # one key: smoothing makes K exactly 0, so k_scale = 0 (and an all-zero q group has q_scale = 0); masked
+    # scores must stay -inf, never -inf * 0 = NaN
+    q, k, v = _inputs(1, 200, 1, 2, 2, 64, torch.bfloat16, seed=5)
+    q[:, :16] = 0
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    assert (ks == 0).all() and (qs[:, :, 0] == 0).all()
+    o, lse = _run_kernel(q8, qs, k8, ks, v, causal, "per_warp", torch.bfloat16)
+    if not causal:  # every row sees the single key: out = v
+        assert torch.equal(o, v.expand(1, 200, 2, 64)) and torch.isfinite(lse).all()
+    else:  # only the last row sees it
+        assert torch.equal(o[:, -1], v[:, 0]) and torch.all(o[:, :-1] == 0)
+
+
 def test_rows_without_keys_are_zero():
     # causal with seqlen_q > seqlen_k: the first Sq - Sk rows see no key -> out 0, lse -inf
     q, k, v = _inputs(1, 300, 100, 2, 2, 64, torch.bfloat16, seed=3)
@@ -111,6 +127,51 @@ def test_rows_without_keys_are_zero():
     o, lse = _run_kernel(q8, qs, k8, ks, v, True, "per_warp", torch.bfloat16)
     assert torch.all(o[:, :200] == 0) and torch.all(torch.isneginf(lse[:, :, :200]))
     assert torch.isfinite(o[:, 200:]).all() and torch.isfinite(lse[:, :, 200:]).all()
+
+
+def _varlen_inputs(lens_q, lens_k, Hq, Hkv, D, granularity, seed=0):
+    """Packed q/k/v and the per-sequence dense-reference quantization laid out as the varlen prepass does
+    (scales padded to the longest sequence, zeros in the unused tail groups)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seqs = []
+    for lq, lk in zip(lens_q, lens_k):
+        q = torch.randn(1, lq, Hq, D, device="cuda", generator=g).bfloat16()
+        k = (torch.randn(1, lk, Hkv, D, device="cuda", generator=g) + 0.5).bfloat16()
+        v = torch.randn(1, lk, Hkv, D, device="cuda", generator=g).bfloat16()
+        seqs.append((q, k, v) + tuple(_quantize(q, k, granularity)[:4]))
+    n_qg = max(s[4].shape[2] for s in seqs)
+    n_kb = max(s[6].shape[2] for s in seqs)
+    qs = torch.zeros(len(seqs), Hq, n_qg, device="cuda")
+    ks = torch.zeros(len(seqs), Hkv, n_kb, device="cuda")
+    for i, s in enumerate(seqs):
+        qs[i, :, : s[4].shape[2]] = s[4][0]
+        ks[i, :, : s[6].shape[2]] = s[6][0]
+    cat = lambda j: torch.cat([s[j][0] for s in seqs])  # noqa: E731
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")  # noqa: E731
+    return seqs, cat(3), qs, cat(5), ks, cat(2), cu(lens_q), cu(lens_k)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_each_sequence(causal, D):
+    from qattn.interface.prefill import prefill_int8_varlen
+    from qattn.reference.attention import prefill_reference
+
+    lens_q, lens_k = [1, 300, 129, 700, 64], [5, 300, 400, 700, 1]
+    if causal:
+        lens_k = [max(a, b) for a, b in zip(lens_q, lens_k)]
+    seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D)
+    out = torch.full((sum(lens_q), 4, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, lse = prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 return_lse=True, out=out)
+    start = 0
+    for (q, k, vv, *_), lq in zip(seqs, lens_q):
+        ref, ref_lse = prefill_reference(q, k, vv, causal=causal, qk_quant="int8", return_lse=True)
+        got = o[start:start + lq].unsqueeze(0)
+        err = (got.double() - ref).abs().max() / ref.abs().max()
+        assert err <= 1e-2, f"sequence at row {start}: max rel err {err:.3e}"
+        assert (lse[:, start:start + lq].double() - ref_lse[0]).abs().max() <= 1e-3
+        start += lq
 
 
 def _bench():

@@ -95,11 +95,14 @@ class QKInt8PrefillSm90:
     def __call__(
         self,
         q_addr: Int64, k_addr: Int64, v_addr: Int64, o_addr: Int64, lse_addr: Int64,
-        q_scale_addr: Int64, k_scale_addr: Int64,
-        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
-        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
+        batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
+        num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         stream: cuda.CUstream,
     ):
+        """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
+        Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
+        sequences whose row ranges each CTA reads from the cu_seqlens arrays."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -148,12 +151,12 @@ class QKInt8PrefillSm90:
             sV: cute.struct.Align[cute.struct.MemRange[vdt, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_m_blocks = (seqlen_q + TM - 1) // TM
+        num_m_blocks = (max_seqlen_q + TM - 1) // TM
         self.kernel(
             mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-            o_addr, lse_addr, q_scale_addr, k_scale_addr, seqlen_q, seqlen_k, num_heads, num_kv_heads,
-            num_q_groups, num_k_blocks, scale_log2,
-        ).launch(grid=(num_m_blocks, num_heads, batch), block=(self.num_threads, 1, 1), stream=stream,
+            o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
+            num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2,
+        ).launch(grid=(num_m_blocks, num_heads, num_seqs), block=(self.num_threads, 1, 1), stream=stream,
                  min_blocks_per_mp=1)
 
     # ----------------------------------------------------------------------------------------------
@@ -165,8 +168,8 @@ class QKInt8PrefillSm90:
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
-        seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
-        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
+        num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
     ):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
@@ -180,12 +183,26 @@ class QKInt8PrefillSm90:
             m_block = cute.arch.grid_dim()[0] - 1 - bid_m
         group = num_heads // num_kv_heads
         h_kv = h // group
+        # This CTA's sequence: b_t is its batch index in the (seqlen, dim, head, batch) tensors, its rows start at
+        # q_start / k_start there, and len_q / len_k are its lengths. Varlen: one packed "batch" of total rows.
+        b_t, q_start, k_start, len_q, len_k = b, Int32(0), Int32(0), seqlen_q, seqlen_k
+        if cutlass.const_expr(cfg.varlen):
+            gmem = cute.AddressSpace.gmem
+            cu_q = cute.make_tensor(cute.make_ptr(Int32, cu_seqlens_q_addr, gmem, assumed_align=4),
+                                    cute.make_layout(1 << 30))
+            cu_k = cute.make_tensor(cute.make_ptr(Int32, cu_seqlens_k_addr, gmem, assumed_align=4),
+                                    cute.make_layout(1 << 30))
+            b_t, q_start, k_start = Int32(0), cu_q[b], cu_k[b]
+            len_q, len_k = cu_q[b + 1] - q_start, cu_k[b + 1] - k_start
 
-        # Keys this tile reads: all of them, or (causal) up to the last row's diagonal.
-        n_blocks = (seqlen_k + TN - 1) // TN
+        # Keys this tile reads: all of them, or (causal) up to the last row's diagonal; none for a tile past
+        # the end of its sequence (varlen grids are sized for the longest one).
+        n_blocks = (len_k + TN - 1) // TN
         if cutlass.const_expr(cfg.causal):
-            last_key = cutlass.min(seqlen_k, (m_block + 1) * TM + seqlen_k - seqlen_q)
+            last_key = cutlass.min(len_k, (m_block + 1) * TM + len_k - len_q)
             n_blocks = cutlass.max(last_key + TN - 1, 0) // TN
+        if m_block * TM >= len_q:
+            n_blocks = 0
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -213,9 +230,14 @@ class QKInt8PrefillSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
-                gQ = cute.local_tile(tQ[None, None, h, b], (TM, D), (m_block, 0))
-                gK = cute.local_tile(tK[None, None, h_kv, b], (TN, D), (None, 0))
-                gV = cute.local_tile(tV[None, None, h_kv, b], (D, TN), (0, None))
+                q_rows, k_rows, v_cols = tQ[None, None, h, b_t], tK[None, None, h_kv, b_t], tV[None, None, h_kv, b_t]
+                if cutlass.const_expr(cfg.varlen):  # a tile past the sequence reads the next one's rows: masked
+                    q_rows = cute.domain_offset((q_start, 0), q_rows)
+                    k_rows = cute.domain_offset((k_start, 0), k_rows)
+                    v_cols = cute.domain_offset((0, k_start), v_cols)
+                gQ = cute.local_tile(q_rows, (TM, D), (m_block, 0))
+                gK = cute.local_tile(k_rows, (TN, D), (None, 0))
+                gV = cute.local_tile(v_cols, (D, TN), (0, None))
                 tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                  cute.group_modes(gQ, 0, 2))
                 tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
@@ -237,14 +259,17 @@ class QKInt8PrefillSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
-                          q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, seqlen_q,
-                          seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
+                          q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
+                          (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
+                          scale_log2)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
-                 k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, num_heads, num_kv_heads,
-                 num_q_groups, num_k_blocks, scale_log2):
+                 k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
+                 num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2):
+        """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
+        in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         gmem = cute.AddressSpace.gmem
@@ -339,11 +364,12 @@ class QKInt8PrefillSm90:
         # ---- epilogue: normalise, store O (bf16/fp16) and the natural-log LSE of valid rows
         mO = cute.make_tensor(cute.make_ptr(vdt, o_addr, gmem, assumed_align=16),
                               cute.make_layout((seqlen_q, D), stride=(num_heads * D, 1)))
-        o_off = (b * seqlen_q * num_heads + h) * D
-        mO = cute.make_tensor(mO.iterator + o_off, mO.layout)
+        mO = cute.make_tensor(mO.iterator + (q_row0 * num_heads + h) * D, mO.layout)
+        # LSE: dense (batch, heads, seqlen_q), varlen (heads, total_q); q_row0 = b * seqlen_q + start either way
+        lse_base = (q_row0 // lse_stride * num_heads + h) * lse_stride + q_row0 % lse_stride
         mLSE = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
                                 cute.make_layout(seqlen_q))
-        mLSE = cute.make_tensor(mLSE.iterator + (b * num_heads + h) * seqlen_q, mLSE.layout)
+        mLSE = cute.make_tensor(mLSE.iterator + lse_base, mLSE.layout)
         inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
         for i in cutlass.range_constexpr(n_rows):
             total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
@@ -431,6 +457,9 @@ class QKInt8PrefillSm90:
         on the raw integers and scaled once); running max (log2 domain) / sum updated; ``corr`` gets the factor
         exp2(old max - new max) that the caller applies to O. A quad of lanes shares each row."""
         s_mn = cute.make_tensor(s.iterator, s_rc)
+        # A zero scale (an all-zero q group or k block: all its scores are exactly 0) would turn masked -inf
+        # scores into NaN; the smallest normal float keeps 0 -> 0 and -inf -> -inf.
+        scale = cute.arch.fmax(scale, Float32(1.1754943508222875e-38))
         for i in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             mx = s_mn[i, 0]
             for j in cutlass.range_constexpr(1, cute.size(s_rc, mode=[1])):
