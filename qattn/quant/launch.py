@@ -116,6 +116,11 @@ def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool):
     return cfg, m.compiled_kmean(cfg, arch)
 
 
+def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (the GPU tests replace it with one that poisons the memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _num_sms(device: torch.device) -> int:
     if device not in _NUM_SMS:
         _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -164,7 +169,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
             if smooth_k:
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen)
                 num_chunks, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
-                partial = torch.empty((batch, Hkv, num_chunks, D), dtype=torch.float64, device=dev)
+                partial = _alloc((batch, Hkv, num_chunks, D), torch.float64, dev)
                 kmean(addr(k), addr(partial), addr(cu_k), Int32(batch), Int32(seqlen_k), Int32(Hkv),
                       Int32(num_chunks), Int32(chunk_rows), *strides(k), stream)
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
@@ -229,14 +234,15 @@ def quantize_qk_int8(
     dev = q.device
     nq = _num_groups(Sq, granularity, block_q, warp_q)[1]
     nk = -(-Sk // block_k)
-    q_int8 = torch.empty((B, Sq, Hq, D), dtype=torch.int8, device=dev)
-    k_int8 = torch.empty((B, Sk, Hkv, D), dtype=torch.int8, device=dev)
-    q_scale = torch.empty((B, Hq, nq), dtype=torch.float32, device=dev)
-    k_scale = torch.empty((B, Hkv, nk), dtype=torch.float32, device=dev)
+    q_int8 = _alloc((B, Sq, Hq, D), torch.int8, dev)
+    k_int8 = _alloc((B, Sk, Hkv, D), torch.int8, dev)
+    q_scale = _alloc((B, Hq, nq), torch.float32, dev)
+    k_scale = _alloc((B, Hkv, nk), torch.float32, dev)
     k_mean = None
-    if smooth_k:  # an empty K has mean 0, as in the reference
-        k_mean = torch.empty((B, Hkv, D), dtype=torch.float32, device=dev) if Sk and B else \
-            torch.zeros((B, Hkv, D), dtype=torch.float32, device=dev)
+    if smooth_k:
+        k_mean = _alloc((B, Hkv, D), torch.float32, dev)
+        if Sk == 0:
+            k_mean.zero_()  # an empty K has mean 0, as in the reference
     if B == 0:
         return q_int8, q_scale, k_int8, k_scale, k_mean
     _launch_all(_kernel_view(q), _kernel_view(k), batch=B, seqlen_q=Sq, seqlen_k=Sk, cu_q=None, cu_k=None,
@@ -293,14 +299,15 @@ def quantize_qk_int8_varlen(
     dev = q.device
     nq = _num_groups(Sq, granularity, block_q, warp_q)[1]
     nk = -(-Sk // block_k)
-    q_int8 = torch.empty(tuple(q.shape), dtype=torch.int8, device=dev)
-    k_int8 = torch.empty(tuple(k.shape), dtype=torch.int8, device=dev)
-    q_scale = torch.empty((n, Hq, nq), dtype=torch.float32, device=dev)
-    k_scale = torch.empty((n, Hkv, nk), dtype=torch.float32, device=dev)
+    q_int8 = _alloc(tuple(q.shape), torch.int8, dev)
+    k_int8 = _alloc(tuple(k.shape), torch.int8, dev)
+    q_scale = _alloc((n, Hq, nq), torch.float32, dev)
+    k_scale = _alloc((n, Hkv, nk), torch.float32, dev)
     k_mean = None
     if smooth_k:
-        k_mean = torch.empty((n, Hkv, D), dtype=torch.float32, device=dev) if Sk and n else \
-            torch.zeros((n, Hkv, D), dtype=torch.float32, device=dev)
+        k_mean = _alloc((n, Hkv, D), torch.float32, dev)
+        if Sk == 0:
+            k_mean.zero_()  # no K rows at all: every mean is 0
     if n == 0:
         return q_int8, q_scale, k_int8, k_scale, k_mean
     _launch_all(_kernel_view(q), _kernel_view(k), batch=n, seqlen_q=Sq, seqlen_k=Sk,

@@ -141,3 +141,19 @@ def test_registered_variants():
     assert len(vq) == 12 and len(vk) == 4
     assert len({v.key for v in vq + vk}) == 16
     assert all(v.key[:2] == (v.kind, "sm_90a") for v in vq + vk)
+
+
+def test_export_and_reload_through_the_compile_cache(tmp_path, monkeypatch):
+    # the launchers' path: compiled once, exported as an object, loaded back by a fresh process-level cache
+    from qattn.interface import CompileCache, variants
+
+    monkeypatch.setenv("QATTN_CACHE_DIR", str(tmp_path))
+    picks = [v for v in variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
+             if v.key[-2:] == (True, False)][:1]  # K with smoothing, dense
+    picks += variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[64])[:1]
+    assert len(picks) == 2
+    for v in picks:
+        CompileCache(v.kind).get(v.key, v.build)
+        fresh = CompileCache(v.kind)
+        assert fresh.get(v.key, v.build) is not None and fresh.events[-1].source == "disk"
+    assert len(list(tmp_path.rglob("*.o"))) == 2

@@ -131,8 +131,8 @@ class KMeanPartial:
             for r in cutlass.range_constexpr(RPP):
                 total = total + sAcc[tidx, r]
             bh = Int64(b) * Int64(num_heads) + Int64(head)
-            mOut = cute.make_tensor(_gptr(Float64, partial_addr + (bh * Int64(num_chunks) + Int64(chunk)) * Int64(D * 8),
-                                          8), cute.make_layout(D))
+            row_addr = partial_addr + (bh * Int64(num_chunks) + Int64(chunk)) * Int64(D * 8)
+            mOut = cute.make_tensor(_gptr(Float64, row_addr, 8), cute.make_layout(D))
             mOut[tidx] = total
 
 
