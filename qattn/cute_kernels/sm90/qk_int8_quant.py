@@ -15,10 +15,12 @@ group's existing rows (0 for a group with no rows), ``s = amax / 127`` (``div.rn
 products and the subtraction are explicit ``mul.rn`` / ``sub.rn`` so nothing is contracted into an fma.
 
 Work split: a CTA quantizes ``tile_rows`` = ``groups_per_cta * group_rows`` rows (about 128) of one (sequence,
-head): grid ``(ceil(num_groups / groups_per_cta), heads, batch)``. A thread owns 16 consecutive columns of a
-row (two 16-byte loads, one 16-byte int8 store), ``threads_per_row = head_dim / 16`` threads share a row and
-``passes`` rounds cover the tile; the whole tile stays in registers (about 64 words per thread), so ``x`` is
-read exactly once. A row's amax is reduced over its threads with butterfly shuffles, then folded into its group's
+head): grid ``(ceil(num_groups / groups_per_cta), heads, batch)``. A thread owns 8 consecutive columns of a
+row (one 16-byte load, one 8-byte int8 store), ``threads_per_row = head_dim / 8`` consecutive threads share a
+row, so every load instruction of a warp reads whole 32-byte sectors (so does every store), and ``passes``
+rounds cover the tile; the whole tile stays in registers (about 64 words per thread), so ``x`` is read
+exactly once. (16 columns per thread would allow 16-byte int8 stores, but then each load instruction would
+read half of every sector it touches; the loads are two thirds of the traffic.) A row's amax is reduced over its threads with butterfly shuffles, then folded into its group's
 slot in shared memory with an integer atomic max (amax >= 0, so the fp32 bit patterns order like the values).
 
 Addresses are 64-bit byte addresses; input strides (in elements) are runtime values, so non-contiguous
@@ -75,6 +77,28 @@ def f64_to_f32_rn(a, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float64(a).ir_value(loc=loc, ip=ip)], "cvt.rn.f32.f64 $0, $1;", "=f,d"))
 
 
+def _ptx_word_absmax(in_bf16: bool, subtract_mean: bool) -> str:
+    """$0 <- max(|lo - $2|, |hi - $3|) of the two 16-bit values packed in $1 (exact widening, RN subtraction).
+
+    The amax pass uses this instead of the quantize pass's widening helpers on purpose: a different asm body
+    cannot be merged with them, so the compiler keeps the packed words (not 2x as many fp32 values) alive
+    between the two passes, which halves the registers that hold the tile."""
+    if in_bf16:
+        widen = "shl.b32 lo, $1, 16;\n\tand.b32 hi, $1, 0xFFFF0000;\n\t"
+    else:
+        widen = "mov.b32 {h0, h1}, $1;\n\tcvt.f32.f16 lo, h0;\n\tcvt.f32.f16 hi, h1;\n\t"
+    sub = "sub.rn.f32 lo, lo, $2;\n\tsub.rn.f32 hi, hi, $3;\n\t" if subtract_mean else ""
+    return ("{\n\t.reg .f32 lo, hi;\n\t.reg .b16 h0, h1;\n\t" + widen + sub
+            + "abs.f32 lo, lo;\n\tabs.f32 hi, hi;\n\tmax.f32 $0, lo, hi;\n\t}")
+
+
+@dsl_user_op
+def word_absmax(word, m0, m1, in_bf16: bool, subtract_mean: bool, *, loc=None, ip=None) -> Float32:
+    ops = [Uint32(word).ir_value(loc=loc, ip=ip), Float32(m0).ir_value(loc=loc, ip=ip),
+           Float32(m1).ir_value(loc=loc, ip=ip)]
+    return Float32(_asm(T.f32(), ops, _ptx_word_absmax(in_bf16, subtract_mean), "=f,r,f,f"))
+
+
 def _gptr(dtype, addr, align: int):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -99,7 +123,7 @@ class QKInt8Quant:
         self.varlen = bool(varlen)
         self.groups_per_cta = max(1, _TARGET_TILE_ROWS // group_rows)
         self.tile_rows = self.groups_per_cta * group_rows
-        self.threads_per_row = head_dim // 16  # 16 values (two 16-byte loads, one 16-byte store) per thread
+        self.threads_per_row = head_dim // 8  # 8 values (one 16-byte load, one 8-byte store) per thread
         # about 128 values per thread, at least one thread per mean column, whole warps
         want = max(128, head_dim, -(-self.tile_rows * head_dim // 128))
         self.threads = -(-want // 32) * 32
@@ -152,7 +176,7 @@ class QKInt8Quant:
             tile = n_tiles - 1 - tile
             head = n_heads - 1 - head
             b = n_batch - 1 - b
-        part = tidx % TPR  # this thread's 16 columns: [16 * part, 16 * part + 16)
+        part = tidx % TPR  # this thread's 8 columns: [8 * part, 8 * part + 8)
         rip = tidx // TPR  # row within a pass
 
         # ---- where the rows of this (sequence, head) live ------------------------------------------------
@@ -167,12 +191,12 @@ class QKInt8Quant:
         else:
             in_row_base = x_addr + Int64(b) * stride_b * Int64(2)
             out_row0 = Int64(b) * Int64(seqlen)
-        in_base = in_row_base + Int64(head) * stride_h * Int64(2) + Int64(part * 32)
+        in_base = in_row_base + Int64(head) * stride_h * Int64(2) + Int64(part * 16)
         row0 = tile * self.tile_rows  # first row of this tile within the sequence
 
         # ---- all loads first: the whole tile in registers (one read of x) --------------------------------
         vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
-        rX = cute.make_rmem_tensor((4, 2, self.passes), Uint32)
+        rX = cute.make_rmem_tensor((4, self.passes), Uint32)
         rX.fill(Uint32(0))
         for p in cutlass.range_constexpr(self.passes):
             r = p * RPP + rip
@@ -180,9 +204,7 @@ class QKInt8Quant:
             if r < self.tile_rows:
                 if row < length:
                     src = in_base + Int64(row) * stride_s * Int64(2)
-                    for v in cutlass.range_constexpr(2):
-                        cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src + Int64(16 * v), 16),
-                                                           cute.make_layout(4)), rX[None, v, p])
+                    cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, p])
 
         # ---- shared state: per-group amax / inverse scale, the K mean --------------------------------------
         smem = cutlass.memory.SmemAllocator()
@@ -208,18 +230,20 @@ class QKInt8Quant:
                     mMean[tidx] = mean
         cute.arch.sync_threads()
 
-        # ---- this thread's 16 columns as fp32 (mean subtracted) ------------------------------------------
-        rMean = cute.make_rmem_tensor((16,), Float32)
+        # ---- this thread's 8 columns' means --------------------------------------------------------------
+        rMean = cute.make_rmem_tensor((8,), Float32)
         if cutlass.const_expr(self.subtract_mean):
-            for i in cutlass.range_constexpr(16):
-                rMean[i] = sMean[part * 16 + i]
+            for i in cutlass.range_constexpr(8):
+                rMean[i] = sMean[part * 8 + i]
 
         # ---- group amax: per row over its TPR threads, then an atomic max into the group's slot -----------
         for p in cutlass.range_constexpr(self.passes):
-            vals = self._values(rX, rMean, p)
             a = Float32(0.0)
-            for i in cutlass.range_constexpr(16):
-                a = cute.arch.fmax(a, abs(vals[i]))
+            for w in cutlass.range_constexpr(4):
+                m0, m1 = Float32(0.0), Float32(0.0)
+                if cutlass.const_expr(self.subtract_mean):
+                    m0, m1 = rMean[2 * w], rMean[2 * w + 1]
+                a = cute.arch.fmax(a, word_absmax(rX[w, p], m0, m1, self.in_bf16, self.subtract_mean))
             a = cute.arch.warp_reduction(a, cute.arch.fmax, threads_in_group=TPR)
             r = p * RPP + rip
             if part == 0:
@@ -242,8 +266,9 @@ class QKInt8Quant:
                 mS[g] = s
         cute.arch.sync_threads()
 
-        # ---- quantize from registers, 16-byte int8 stores ----------------------------------------------
-        out_base = out_addr + Int64(head * D + part * 16)
+        # ---- quantize from registers, 8-byte int8 stores -----------------------------------------------
+        vec64 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=64)
+        out_base = out_addr + Int64(head * D + part * 8)
         row_bytes = Int64(num_heads * D)
         for p in cutlass.range_constexpr(self.passes):
             r = p * RPP + rip
@@ -252,19 +277,19 @@ class QKInt8Quant:
                 if row < length:
                     inv = sInv[r // G]
                     vals = self._values(rX, rMean, p)
-                    rQ = cute.make_rmem_tensor((4,), Uint32)
-                    for w in cutlass.range_constexpr(4):
+                    rQ = cute.make_rmem_tensor((2,), Uint32)
+                    for w in cutlass.range_constexpr(2):
                         rQ[w] = f32x4_to_s8x4(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv),
                                               mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
                     dst = out_base + (out_row0 + Int64(row)) * row_bytes
-                    cute.copy(vec128, rQ, cute.make_tensor(_gptr(Uint32, dst, 16), cute.make_layout(4)))
+                    cute.copy(vec64, rQ, cute.make_tensor(_gptr(Uint32, dst, 8), cute.make_layout(2)))
 
     def _values(self, rX: cute.Tensor, rMean: cute.Tensor, p: int) -> list:
-        """The 16 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction). Plain
+        """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction). Plain
         Python, unrolled while the kernel is traced."""
         vals = []
-        for w in range(8):
-            word = rX[w % 4, w // 4, p]
+        for w in range(4):
+            word = rX[w, p]
             if self.in_bf16:
                 lo, hi = bf16x2_to_f32x2(word)
             else:
