@@ -6,9 +6,11 @@ For K (batch, seqlen, kv_heads, head_dim) bf16/fp16 -- or varlen (total, kv_head
 as nothing). :class:`~qattn.cute_kernels.sm90.qk_int8_quant.QKInt8Quant` adds the chunks in order, divides by
 the length and rounds once to fp32.
 
-Why fp64: the values are bf16/fp16 (at most 11 significant bits), so fp64 sums are exact unless a sequence's
-values span more than ~40 binades; the mean is then the correctly rounded one, the same as the torch reference
-(which sums in float64), whatever the summation order. The fp64 adds cost nothing next to the HBM read.
+Why fp64: the values are bf16/fp16 (at most 11 significant bits), so the fp64 sums of one channel are exact as
+long as its values span fewer than about ``42 - log2(seqlen)`` binades (randn-like data: ~20), and otherwise
+off by ~2^-53 relative. The mean, one RN division and one RN conversion later, is then the one the torch
+reference computes (it sums in float64 too), whatever the summation order, except in near-tie cases. The fp64
+adds and conversions cost nothing next to the HBM read.
 
 Work split: grid ``(num_chunks, heads, batch)``; a thread owns 8 consecutive columns (one 16-byte load per row)
 and walks the chunk's rows ``rows_per_pass`` apart, ``UNROLL`` loads in flight; the per-thread sums are
