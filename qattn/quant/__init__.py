@@ -1,6 +1,8 @@
-"""Quantization references: exact element casts, KV-format encoders/decoders and INT8 Q/K quantization."""
+"""Quantization references (exact element casts, KV-format encoders/decoders, INT8 Q/K quantization) and the
+INT8 Q/K prepass kernels' entry points (:func:`quantize_qk_int8`, :func:`quantize_qk_int8_varlen`)."""
 
-from .qk_int8 import dequantize_qk_int8_reference, quantize_qk_int8_reference
+from .launch import quantize_qk_int8, quantize_qk_int8_varlen
+from .qk_int8 import dequantize_qk_int8_reference, quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
 from .reference import (
     E2M1_MAX,
     E4M3_MAX,
@@ -34,7 +36,10 @@ __all__ = [
     "mx_shared_exponent",
     "pack_e2m1",
     "quantize",
+    "quantize_qk_int8",
     "quantize_qk_int8_reference",
+    "quantize_qk_int8_varlen",
+    "quantize_qk_int8_varlen_reference",
     "ue8m0_decode",
     "unpack_e2m1",
 ]

@@ -13,6 +13,19 @@ Ragged last groups use only the rows that exist; groups with no rows at all (the
 in per-warp mode) get scale 0. The int8 rule is the one of the ``int8`` KV format: ``s = amax / 127``
 (fp32 RN division), ``inv = 1 / s`` (0 unless ``s`` is a normal fp32), ``q = clamp(round_half_even(x * inv),
 -127, 127)``.
+
+Varlen (FlashAttention's packed layout): ``q`` (total_q, num_q_heads, head_dim), ``k`` (total_k, num_kv_heads,
+head_dim), sequence ``i`` is rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (``cu_seqlens`` int32 (num_seqs + 1,),
+starting at 0). Every sequence is quantized as a batch of one: groups start at the sequence's first row and
+never cross into the next sequence, and K is smoothed with that sequence's own mean. ``q_int8`` / ``k_int8``
+keep the packed layout of ``q`` / ``k``. Scales are padded per sequence to the longest one, so that the
+attention kernel indexes them as ``[seq, head, group]``:
+
+* ``q_scale`` (num_seqs, Hq, G_q) with ``G_q`` the dense group count of ``max_seqlen_q`` (above);
+* ``k_scale`` (num_seqs, Hkv, ceil(max_seqlen_k / block_k));
+* ``k_mean`` (num_seqs, Hkv, D) fp32 (zeros for an empty sequence), or None without smoothing.
+
+Groups past a shorter sequence's own group count are 0 (so are its per-warp groups with no rows).
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch
 
 from .reference import INT8_MAX, _div_const, _safe_reciprocal
 
-__all__ = ["quantize_qk_int8_reference", "dequantize_qk_int8_reference"]
+__all__ = ["quantize_qk_int8_reference", "quantize_qk_int8_varlen_reference", "dequantize_qk_int8_reference"]
 
 _GRANULARITIES = ("per_block", "per_warp")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,6 +159,83 @@ def quantize_qk_int8_reference(
     q_int8, q_scale = _quantize_groups(q.float(), group, ngroups)
     k_int8, k_scale = _quantize_groups(k32, block_k, -(-Sk // block_k))
     return q_int8, q_scale, k_int8, k_scale, (k_mean if smooth_k else None)
+
+
+def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str) -> list[int]:
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+        raise TypeError(f"{name}: expected a 1-d torch.int32 tensor (num_seqs + 1,)")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise TypeError(f"{max_name}: expected an int >= 0, got {max_seqlen!r}")
+    bounds = [int(v) for v in cu.cpu()]
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"{name}: must start at 0 and end at the total row count {total}, got {bounds[0]} .. "
+                         f"{bounds[-1]}")
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"{name}: must be non-decreasing")
+    if lens and max(lens) > max_seqlen:
+        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({max(lens)})")
+    return bounds
+
+
+def quantize_qk_int8_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    block_q: int = 128,
+    warp_q: int = 16,
+    block_k: int = 128,
+    k_mean: torch.Tensor | None = None,
+):
+    """Varlen :func:`quantize_qk_int8_reference` (layout in the module docstring): each sequence is the dense
+    reference on a batch of one, its scales written into the sequence's row of the padded scale tensors.
+
+    ``k_mean`` (num_seqs, Hkv, D) fp32, optional: the means to subtract (as in the dense reference).
+    """
+    _check_blocks(granularity, block_q, warp_q, block_k)
+    for t, name in ((q, "q"), (k, "k")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (total, heads, head_dim), got {tuple(t.shape)}")
+    _check_qk_shapes(q.unsqueeze(0), k.unsqueeze(0), "q", "k")
+    bq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+    bk = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
+    n = len(bq) - 1
+    if len(bk) - 1 != n:
+        raise ValueError(f"cu_seqlens_k: {len(bk) - 1} sequences, cu_seqlens_q has {n}")
+    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    if k_mean is not None and (not isinstance(k_mean, torch.Tensor) or tuple(k_mean.shape) != (n, Hkv, D)):
+        raise ValueError(f"k_mean: expected a tensor of shape {(n, Hkv, D)}")
+
+    dev = q.device
+    q_int8 = torch.zeros(tuple(q.shape), dtype=torch.int8, device=dev)
+    k_int8 = torch.zeros(tuple(k.shape), dtype=torch.int8, device=dev)
+    q_scale = torch.zeros((n, Hq, _num_groups(max_seqlen_q, granularity, block_q, warp_q)[1]),
+                          dtype=torch.float32, device=dev)
+    k_scale = torch.zeros((n, Hkv, -(-max_seqlen_k // block_k)), dtype=torch.float32, device=dev)
+    k_means = torch.zeros((n, Hkv, D), dtype=torch.float32, device=dev)
+    for i in range(n):
+        qa, qb, ka, kb = bq[i], bq[i + 1], bk[i], bk[i + 1]
+        qi, qs, ki, ks, km = quantize_qk_int8_reference(
+            q[qa:qb].unsqueeze(0), k[ka:kb].unsqueeze(0), granularity=granularity, smooth_k=smooth_k,
+            block_q=block_q, warp_q=warp_q, block_k=block_k,
+            k_mean=None if k_mean is None else k_mean[i : i + 1])
+        q_int8[qa:qb] = qi[0]
+        k_int8[ka:kb] = ki[0]
+        q_scale[i, :, : qs.shape[2]] = qs[0]
+        k_scale[i, :, : ks.shape[2]] = ks[0]
+        if smooth_k:
+            k_means[i] = km[0]
+    return q_int8, q_scale, k_int8, k_scale, (k_means if smooth_k else None)
 
 
 def dequantize_qk_int8_reference(

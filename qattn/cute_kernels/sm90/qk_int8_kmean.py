@@ -1,0 +1,173 @@
+"""Per-channel sums of K for the INT8 prefill's K smoothing (CuTe-DSL): the first of the two passes over K.
+
+For K (batch, seqlen, kv_heads, head_dim) bf16/fp16 -- or varlen (total, kv_heads, head_dim) with
+``cu_seqlens`` -- the kernel writes ``partial[b, h, c, :]`` (fp64, (B, H, num_chunks, D)), the sum of the rows
+``[c * chunk_rows, (c + 1) * chunk_rows)`` of sequence ``b``, head ``h`` (rows past the sequence's length count
+as nothing). :class:`~qattn.cute_kernels.sm90.qk_int8_quant.QKInt8Quant` adds the chunks in order, divides by
+the length and rounds once to fp32.
+
+Why fp64: the values are bf16/fp16 (at most 11 significant bits), so the fp64 sums of one channel are exact as
+long as its values span fewer than about ``42 - log2(seqlen)`` binades (randn-like data: ~20), and otherwise
+off by ~2^-53 relative. The mean, one RN division and one RN conversion later, is then the one the torch
+reference computes (it sums in float64 too), whatever the summation order, except in near-tie cases. The fp64
+adds and conversions cost nothing next to the HBM read.
+
+Work split: grid ``(num_chunks, heads, batch)``; a thread owns 8 consecutive columns (one 16-byte load per row)
+and walks the chunk's rows ``rows_per_pass`` apart, ``UNROLL`` loads in flight; the per-thread sums are
+combined in shared memory in a fixed order (deterministic). The launcher picks ``chunk_rows`` so that the grid
+fills the GPU.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float64, Int32, Int64, Uint32
+
+from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2
+from qattn.interface.variants import Variant, cache_for, register
+
+__all__ = ["KMeanPartial", "make_kmean_compile_args", "kmean_placeholder_args", "compiled_kmean", "UNROLL"]
+
+KIND = "qk_int8_kmean"
+
+UNROLL = 8  # 16-byte loads in flight per thread
+
+
+def _gptr(dtype, addr, align: int):
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+class KMeanPartial:
+    """fp64 per-chunk column sums of a (B, S, H, D) or varlen (total, H, D) bf16/fp16 tensor."""
+
+    def __init__(self, head_dim: int, in_bf16: bool = True, varlen: bool = False):
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim: the K mean kernel supports 64, 128 and 256, got {head_dim}")
+        self.head_dim = head_dim
+        self.in_bf16 = bool(in_bf16)
+        self.varlen = bool(varlen)
+        self.threads_per_row = head_dim // 8
+        self.threads = max(128, head_dim)
+        self.rows_per_pass = self.threads // self.threads_per_row
+        self.rows_per_step = self.rows_per_pass * UNROLL  # chunk_rows should be a multiple of this
+
+    @property
+    def key(self) -> tuple:
+        return ("bf16" if self.in_bf16 else "fp16", self.head_dim, self.varlen)
+
+    @cute.jit
+    def __call__(
+        self,
+        x_addr: Int64,  # bf16/fp16 K, 16-byte aligned; element strides below
+        partial_addr: Int64,  # fp64 (B, H, num_chunks, D)
+        cu_seqlens_addr: Int64,  # int32 (B + 1,) (varlen only)
+        batch: Int32,
+        seqlen: Int32,  # dense: S; varlen: unused
+        num_heads: Int32,
+        num_chunks: Int32,
+        chunk_rows: Int32,
+        stride_b: Int64,
+        stride_s: Int64,
+        stride_h: Int64,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(x_addr, partial_addr, cu_seqlens_addr, batch, seqlen, num_heads, num_chunks, chunk_rows,
+                    stride_b, stride_s, stride_h).launch(
+            grid=(num_chunks, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, x_addr: Int64, partial_addr: Int64, cu_seqlens_addr: Int64, batch: Int32, seqlen: Int32,
+               num_heads: Int32, num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64,
+               stride_h: Int64):
+        D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, head, b = cute.arch.block_idx()
+        part = tidx % TPR  # columns [8 * part, 8 * part + 8)
+        rip = tidx // TPR
+
+        length = seqlen
+        if cutlass.const_expr(self.varlen):
+            mCu = cute.make_tensor(_gptr(Int32, cu_seqlens_addr, 4), cute.make_layout(batch + 1))
+            seq_start = mCu[b]
+            length = mCu[b + 1] - seq_start
+            row_base = x_addr + Int64(seq_start) * stride_s * Int64(2)
+        else:
+            row_base = x_addr + Int64(b) * stride_b * Int64(2)
+        base = row_base + Int64(head) * stride_h * Int64(2) + Int64(part * 16)
+        begin = chunk * chunk_rows
+        end = begin + chunk_rows
+        if end > length:
+            end = length
+
+        vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+        acc = cute.make_rmem_tensor((8,), Float64)
+        acc.fill(Float64(0.0))
+        rX = cute.make_rmem_tensor((4, UNROLL), Uint32)
+        for step in cutlass.range(begin, end, self.rows_per_step, unroll=1):
+            rX.fill(Uint32(0))  # rows past the end add zeros
+            for u in cutlass.range_constexpr(UNROLL):
+                row = step + u * RPP + rip
+                if row < end:
+                    src = base + Int64(row) * stride_s * Int64(2)
+                    cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, u])
+            for u in cutlass.range_constexpr(UNROLL):
+                for w in cutlass.range_constexpr(4):
+                    if cutlass.const_expr(self.in_bf16):
+                        lo, hi = bf16x2_to_f32x2(rX[w, u])
+                    else:
+                        lo, hi = fp4.f16x2_to_f32x2(rX[w, u])
+                    acc[2 * w] = acc[2 * w] + Float64(lo)  # exact widening, exact sums (module docstring)
+                    acc[2 * w + 1] = acc[2 * w + 1] + Float64(hi)
+
+        # combine the RPP threads of each column, in a fixed order
+        smem = cutlass.memory.SmemAllocator()
+        sAcc = smem.allocate_tensor(Float64, cute.make_layout((D, RPP), stride=(1, D)), byte_alignment=16)
+        for i in cutlass.range_constexpr(8):
+            sAcc[part * 8 + i, rip] = acc[i]
+        cute.arch.sync_threads()
+        if tidx < D:
+            total = Float64(0.0)
+            for r in cutlass.range_constexpr(RPP):
+                total = total + sAcc[tidx, r]
+            bh = Int64(b) * Int64(num_heads) + Int64(head)
+            row_addr = partial_addr + (bh * Int64(num_chunks) + Int64(chunk)) * Int64(D * 8)
+            mOut = cute.make_tensor(_gptr(Float64, row_addr, 8), cute.make_layout(D))
+            mOut[tidx] = total
+
+
+def kmean_placeholder_args() -> tuple:
+    return (tuple(Int64(0) for _ in range(3)) + tuple(Int32(1) for _ in range(5))
+            + tuple(Int64(1) for _ in range(3)) + (cute.runtime.make_fake_stream(),))
+
+
+def make_kmean_compile_args(head_dim: int, in_bf16: bool = True, varlen: bool = False):
+    """(kernel object, placeholder args) to compile :class:`KMeanPartial` without a GPU."""
+    return KMeanPartial(head_dim, in_bf16, varlen), kmean_placeholder_args()
+
+
+def compiled_kmean(cfg: KMeanPartial, arch: str):
+    """The compiled kernel from the shared compile cache (memory, else disk, else compiled now)."""
+    return cache_for(KIND).get((KIND, arch) + cfg.key, lambda: _build(cfg, arch))
+
+
+def _build(cfg: KMeanPartial, arch: str):
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+
+    return compile_for_arch(cfg, *kmean_placeholder_args(), arch=arch, keep_ptx=False)[0]
+
+
+@register(KIND)
+def _kmean_variants(arch: str, head_dims=None, **_):
+    out = []
+    for d in head_dims or [64, 128]:
+        if d not in (64, 128, 256):
+            continue
+        for in_bf16 in (True, False):
+            for varlen in (False, True):
+                cfg = KMeanPartial(d, in_bf16, varlen)
+                label = f"{'bf16' if in_bf16 else 'fp16'} D{d}{' varlen' if varlen else ''}"
+                out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+    return out

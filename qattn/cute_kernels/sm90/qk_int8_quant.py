@@ -1,0 +1,343 @@
+"""INT8 quantization of Q or K for the SageAttention-style prefill (CuTe-DSL): one amax scale per group of rows.
+
+The kernel quantizes one tensor ``x`` (batch, seqlen, heads, head_dim) bf16/fp16 -- or, varlen, (total, heads,
+head_dim) with ``cu_seqlens`` -- to int8 in the contiguous (B, S, H, D) layout, with one fp32 scale per
+*group* of ``group_rows`` consecutive rows of one (sequence, head) over all head_dim columns. The launcher
+(:mod:`qattn.quant.launch`) maps the public granularities onto groups: Q per-warp groups are ``warp_q`` rows,
+Q per-block groups ``block_q`` rows, K groups ``block_k`` rows. With ``subtract_mean`` (K smoothing) the kernel
+first finishes the per-(sequence, head, channel) mean from the fp64 partial sums of :mod:`qk_int8_kmean`
+(fixed order, one RN fp64 division by the length, one RN conversion to fp32), writes it out, and quantizes
+``x - mean`` (one RN fp32 subtraction).
+
+Numerics, exactly those of ``qattn.quant.qk_int8.quantize_qk_int8_reference``: ``amax = max |x|`` over the
+group's existing rows (0 for a group with no rows), ``s = amax / 127`` (``div.rn.f32``), ``inv = 1 / s``
+(``div.rn.f32``, only when ``s`` is a normal fp32, else 0), ``q = clamp(cvt.rni(x * inv), -127, 127)``; the
+products and the subtraction are explicit ``mul.rn`` / ``sub.rn`` so nothing is contracted into an fma.
+
+Work split: a CTA quantizes ``tile_rows`` = ``groups_per_cta * group_rows`` rows (about 128) of one (sequence,
+head): grid ``(ceil(num_groups / groups_per_cta), heads, batch)``. A thread owns 8 consecutive columns of a
+row (one 16-byte load, one 8-byte int8 store), ``threads_per_row = head_dim / 8`` consecutive threads share a
+row, so every load instruction of a warp reads whole 32-byte sectors (so does every store), and ``passes``
+rounds cover the tile; the whole tile stays in registers (about 64 words per thread), so ``x`` is read
+exactly once. (16 columns per thread would allow 16-byte int8 stores, but then each load instruction would
+read half of every sector it touches; the loads are two thirds of the traffic.) A row's amax is reduced over its threads with butterfly shuffles, then folded into its group's
+slot in shared memory with an integer atomic max (amax >= 0, so the fp32 bit patterns order like the values).
+
+Addresses are 64-bit byte addresses; input strides (in elements) are runtime values, so non-contiguous
+batch / seqlen / head strides need no copy as long as they (and the base) keep 16-byte alignment (the launcher
+checks, and copies otherwise).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Float64, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_s8x4, mul_rn, sub_rn
+from qattn.interface.variants import Variant, cache_for, register
+
+__all__ = ["QKInt8Quant", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
+           "div_rn_f64", "f64_to_f32_rn"]
+
+KIND = "qk_int8_quant"
+
+INT8_MAX = 127.0
+_FP32_MIN_NORMAL = 2.0**-126
+_MAX_THREADS = 1024
+_TARGET_TILE_ROWS = 128  # rows per CTA: 128 x 16-bit x head_dim 128 = 32 KB in flight per CTA
+
+
+def _asm(result_type, operands, text: str, constraints: str):
+    return llvm.inline_asm(result_type, operands, text, constraints, has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """Correctly rounded fp32 ``a / b`` (spelled out: a fast-math lowering would give div.approx / div.full)."""
+    ops = [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)]
+    return Float32(_asm(T.f32(), ops, "div.rn.f32 $0, $1, $2;", "=f,f,f"))
+
+
+@dsl_user_op
+def div_rn_f64(a, b, *, loc=None, ip=None) -> Float64:
+    """Correctly rounded fp64 ``a / b``."""
+    ops = [Float64(a).ir_value(loc=loc, ip=ip), Float64(b).ir_value(loc=loc, ip=ip)]
+    return Float64(_asm(T.f64(), ops, "div.rn.f64 $0, $1, $2;", "=d,d,d"))
+
+
+@dsl_user_op
+def f64_to_f32_rn(a, *, loc=None, ip=None) -> Float32:
+    """fp64 -> fp32, round to nearest even."""
+    return Float32(_asm(T.f32(), [Float64(a).ir_value(loc=loc, ip=ip)], "cvt.rn.f32.f64 $0, $1;", "=f,d"))
+
+
+def _ptx_word_absmax(in_bf16: bool, subtract_mean: bool) -> str:
+    """$0 <- max(|lo - $2|, |hi - $3|) of the two 16-bit values packed in $1 (exact widening, RN subtraction).
+
+    The amax pass uses this instead of the quantize pass's widening helpers on purpose: a different asm body
+    cannot be merged with them, so the compiler keeps the packed words (not 2x as many fp32 values) alive
+    between the two passes, which halves the registers that hold the tile."""
+    if in_bf16:
+        widen = "shl.b32 lo, $1, 16;\n\tand.b32 hi, $1, 0xFFFF0000;\n\t"
+    else:
+        widen = "mov.b32 {h0, h1}, $1;\n\tcvt.f32.f16 lo, h0;\n\tcvt.f32.f16 hi, h1;\n\t"
+    sub = "sub.rn.f32 lo, lo, $2;\n\tsub.rn.f32 hi, hi, $3;\n\t" if subtract_mean else ""
+    return ("{\n\t.reg .f32 lo, hi;\n\t.reg .b16 h0, h1;\n\t" + widen + sub
+            + "abs.f32 lo, lo;\n\tabs.f32 hi, hi;\n\tmax.f32 $0, lo, hi;\n\t}")
+
+
+@dsl_user_op
+def word_absmax(word, m0, m1, in_bf16: bool, subtract_mean: bool, *, loc=None, ip=None) -> Float32:
+    ops = [Uint32(word).ir_value(loc=loc, ip=ip), Float32(m0).ir_value(loc=loc, ip=ip),
+           Float32(m1).ir_value(loc=loc, ip=ip)]
+    return Float32(_asm(T.f32(), ops, _ptx_word_absmax(in_bf16, subtract_mean), "=f,r,f,f"))
+
+
+def _gptr(dtype, addr, align: int):
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+class QKInt8Quant:
+    """Group-scaled int8 quantization of one (B, S, H, D) or varlen (total, H, D) bf16/fp16 tensor.
+
+    ``QKInt8Quant(head_dim=128, group_rows=16, in_bf16=True, subtract_mean=False, varlen=False)``; everything
+    structural is compile-time (the compile-cache key is :attr:`key`), sizes and strides are runtime values.
+    """
+
+    def __init__(self, head_dim: int, group_rows: int, in_bf16: bool = True, subtract_mean: bool = False,
+                 varlen: bool = False):
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim: the INT8 Q/K quantizer supports 64, 128 and 256, got {head_dim}")
+        if not isinstance(group_rows, int) or group_rows <= 0:
+            raise ValueError(f"group_rows: expected a positive int, got {group_rows!r}")
+        self.head_dim = head_dim
+        self.group_rows = group_rows
+        self.in_bf16 = bool(in_bf16)
+        self.subtract_mean = bool(subtract_mean)
+        self.varlen = bool(varlen)
+        self.groups_per_cta = max(1, _TARGET_TILE_ROWS // group_rows)
+        self.tile_rows = self.groups_per_cta * group_rows
+        self.threads_per_row = head_dim // 8  # 8 values (one 16-byte load, one 8-byte store) per thread
+        # about 128 values per thread, at least one thread per mean column, whole warps
+        want = max(128, head_dim, -(-self.tile_rows * head_dim // 128))
+        self.threads = -(-want // 32) * 32
+        if self.threads > _MAX_THREADS:
+            raise ValueError(f"group_rows: {group_rows} rows x head_dim {head_dim} is too large a group for one "
+                             f"CTA (at most {_MAX_THREADS * 128 // head_dim} rows at this head_dim)")
+        self.rows_per_pass = self.threads // self.threads_per_row
+        self.passes = -(-self.tile_rows // self.rows_per_pass)
+
+    @property
+    def key(self) -> tuple:
+        return ("bf16" if self.in_bf16 else "fp16", self.head_dim, self.group_rows, self.subtract_mean, self.varlen)
+
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        x_addr: Int64,  # bf16/fp16 input, 16-byte aligned; element strides below
+        out_addr: Int64,  # int8 (B, S, H, D) contiguous, or (total, H, D) varlen
+        scale_addr: Int64,  # fp32 (B, H, num_groups)
+        partial_addr: Int64,  # fp64 (B, H, num_chunks, D) K partial sums (subtract_mean only)
+        mean_addr: Int64,  # fp32 (B, H, D) mean out (subtract_mean only)
+        cu_seqlens_addr: Int64,  # int32 (B + 1,) (varlen only)
+        batch: Int32,
+        seqlen: Int32,  # dense: S; varlen: unused (lengths come from cu_seqlens)
+        num_heads: Int32,
+        num_groups: Int32,  # scale groups per (sequence, head), padding groups included
+        num_chunks: Int32,  # partial sums per (sequence, head) (subtract_mean only)
+        stride_b: Int64,  # input strides in elements; stride_b unused in varlen
+        stride_s: Int64,
+        stride_h: Int64,
+        stream: cuda.CUstream,
+    ):
+        grid_x = (num_groups + self.groups_per_cta - 1) // self.groups_per_cta
+        self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, batch, seqlen,
+                    num_heads, num_groups, num_chunks, stride_b, stride_s, stride_h).launch(
+            grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, x_addr: Int64, out_addr: Int64, scale_addr: Int64, partial_addr: Int64, mean_addr: Int64,
+               cu_seqlens_addr: Int64, batch: Int32, seqlen: Int32, num_heads: Int32, num_groups: Int32,
+               num_chunks: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64):
+        D, G, TPR, RPP = self.head_dim, self.group_rows, self.threads_per_row, self.rows_per_pass
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, head, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.subtract_mean):
+            # K is read a second time here (the mean kernel read it first, in grid order): walking the grid
+            # backwards starts on the rows the mean kernel read last, which are likely still in L2.
+            n_tiles, n_heads, n_batch = cute.arch.grid_dim()
+            tile = n_tiles - 1 - tile
+            head = n_heads - 1 - head
+            b = n_batch - 1 - b
+        part = tidx % TPR  # this thread's 8 columns: [8 * part, 8 * part + 8)
+        rip = tidx // TPR  # row within a pass
+
+        # ---- where the rows of this (sequence, head) live ------------------------------------------------
+        seq_start = Int32(0)
+        length = seqlen
+        if cutlass.const_expr(self.varlen):
+            mCu = cute.make_tensor(_gptr(Int32, cu_seqlens_addr, 4), cute.make_layout(batch + 1))
+            seq_start = mCu[b]
+            length = mCu[b + 1] - seq_start
+            in_row_base = x_addr + Int64(seq_start) * stride_s * Int64(2)
+            out_row0 = Int64(seq_start)
+        else:
+            in_row_base = x_addr + Int64(b) * stride_b * Int64(2)
+            out_row0 = Int64(b) * Int64(seqlen)
+        in_base = in_row_base + Int64(head) * stride_h * Int64(2) + Int64(part * 16)
+        row0 = tile * self.tile_rows  # first row of this tile within the sequence
+
+        # ---- all loads first: the whole tile in registers (one read of x) --------------------------------
+        vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+        rX = cute.make_rmem_tensor((4, self.passes), Uint32)
+        rX.fill(Uint32(0))
+        for p in cutlass.range_constexpr(self.passes):
+            r = p * RPP + rip
+            row = row0 + r
+            if r < self.tile_rows:
+                if row < length:
+                    src = in_base + Int64(row) * stride_s * Int64(2)
+                    cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, p])
+
+        # ---- shared state: per-group amax / inverse scale, the K mean --------------------------------------
+        smem = cutlass.memory.SmemAllocator()
+        sAmax = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
+        sInv = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
+        sMean = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+        if tidx < self.groups_per_cta:
+            sAmax[tidx] = Float32(0.0)
+        bh = Int64(b) * Int64(num_heads) + Int64(head)
+        if cutlass.const_expr(self.subtract_mean):
+            if tidx < D:
+                # fixed order over the chunks: every CTA of this (sequence, head) gets the same mean
+                mPart = cute.make_tensor(_gptr(Float64, partial_addr + bh * Int64(num_chunks * D * 8), 8),
+                                         cute.make_layout((D, num_chunks), stride=(1, D)))
+                acc = Float64(0.0)
+                for c in cutlass.range(num_chunks, unroll=8):
+                    acc = acc + mPart[tidx, c]
+                n = Int32(cutlass.select_(length > 0, length, Int32(1)))  # an empty sequence: 0 / 1
+                mean = f64_to_f32_rn(div_rn_f64(acc, Float64(n)))
+                sMean[tidx] = mean
+                if tile == 0:
+                    mMean = cute.make_tensor(_gptr(Float32, mean_addr + bh * Int64(D * 4), 4), cute.make_layout(D))
+                    mMean[tidx] = mean
+        cute.arch.sync_threads()
+
+        # ---- this thread's 8 columns' means --------------------------------------------------------------
+        rMean = cute.make_rmem_tensor((8,), Float32)
+        if cutlass.const_expr(self.subtract_mean):
+            for i in cutlass.range_constexpr(8):
+                rMean[i] = sMean[part * 8 + i]
+
+        # ---- group amax: per row over its TPR threads, then an atomic max into the group's slot -----------
+        for p in cutlass.range_constexpr(self.passes):
+            a = Float32(0.0)
+            for w in cutlass.range_constexpr(4):
+                m0, m1 = Float32(0.0), Float32(0.0)
+                if cutlass.const_expr(self.subtract_mean):
+                    m0, m1 = rMean[2 * w], rMean[2 * w + 1]
+                a = cute.arch.fmax(a, word_absmax(rX[w, p], m0, m1, self.in_bf16, self.subtract_mean))
+            a = cute.arch.warp_reduction(a, cute.arch.fmax, threads_in_group=TPR)
+            r = p * RPP + rip
+            if part == 0:
+                if r < self.tile_rows:
+                    if row0 + r < length:  # padding rows are not part of any group (x - mean != 0 there)
+                        cute.arch.atomic_fmax(sAmax.iterator + r // G, a, sign_bit=False, scope="cta")
+        cute.arch.sync_threads()
+
+        # ---- scales: s = amax / 127, inv = 1 / s for normal s -----------------------------------------------
+        if tidx < self.groups_per_cta:
+            s = div_rn(sAmax[tidx], Float32(INT8_MAX))
+            inv = Float32(0.0)
+            if s >= Float32(_FP32_MIN_NORMAL):
+                inv = fp4.rcp_rn(s)
+            sInv[tidx] = inv
+            g = tile * self.groups_per_cta + tidx
+            if g < num_groups:
+                mS = cute.make_tensor(_gptr(Float32, scale_addr + bh * Int64(num_groups * 4), 4),
+                                      cute.make_layout(num_groups))
+                mS[g] = s
+        cute.arch.sync_threads()
+
+        # ---- quantize from registers, 8-byte int8 stores -----------------------------------------------
+        vec64 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=64)
+        out_base = out_addr + Int64(head * D + part * 8)
+        row_bytes = Int64(num_heads * D)
+        for p in cutlass.range_constexpr(self.passes):
+            r = p * RPP + rip
+            row = row0 + r
+            if r < self.tile_rows:
+                if row < length:
+                    inv = sInv[r // G]
+                    vals = self._values(rX, rMean, p)
+                    rQ = cute.make_rmem_tensor((2,), Uint32)
+                    for w in cutlass.range_constexpr(2):
+                        rQ[w] = f32x4_to_s8x4(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv),
+                                              mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
+                    dst = out_base + (out_row0 + Int64(row)) * row_bytes
+                    cute.copy(vec64, rQ, cute.make_tensor(_gptr(Uint32, dst, 8), cute.make_layout(2)))
+
+    def _values(self, rX: cute.Tensor, rMean: cute.Tensor, p: int) -> list:
+        """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction). Plain
+        Python, unrolled while the kernel is traced."""
+        vals = []
+        for w in range(4):
+            word = rX[w, p]
+            if self.in_bf16:
+                lo, hi = bf16x2_to_f32x2(word)
+            else:
+                lo, hi = fp4.f16x2_to_f32x2(word)
+            if self.subtract_mean:
+                lo = sub_rn(lo, rMean[2 * w])
+                hi = sub_rn(hi, rMean[2 * w + 1])
+            vals.append(lo)
+            vals.append(hi)
+        return vals
+
+
+def make_quant_compile_args(head_dim: int, group_rows: int, in_bf16: bool = True, subtract_mean: bool = False,
+                            varlen: bool = False):
+    """(kernel object, placeholder args) to compile :class:`QKInt8Quant` without a GPU."""
+    cfg = QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen)
+    return cfg, quant_placeholder_args()
+
+
+def quant_placeholder_args() -> tuple:
+    return (tuple(Int64(0) for _ in range(6)) + tuple(Int32(1) for _ in range(5))
+            + tuple(Int64(1) for _ in range(3)) + (cute.runtime.make_fake_stream(),))
+
+
+def compiled_quant(cfg: QKInt8Quant, arch: str):
+    """The compiled kernel from the shared compile cache (memory, else disk, else compiled now)."""
+    return cache_for(KIND).get((KIND, arch) + cfg.key, lambda: _build(cfg, arch))
+
+
+def _build(cfg: QKInt8Quant, arch: str):
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+
+    return compile_for_arch(cfg, *quant_placeholder_args(), arch=arch, keep_ptx=False)[0]
+
+
+@register(KIND)
+def _quant_variants(arch: str, head_dims=None, **_):
+    """The default prefill configurations: Q per-warp (16 rows), Q per-block / K without smoothing (128 rows),
+    K with smoothing (128 rows); bf16 and fp16; dense and varlen. Other block sizes compile on first use."""
+    out = []
+    for d in head_dims or [64, 128]:
+        if d not in (64, 128, 256):
+            continue
+        for in_bf16 in (True, False):
+            for rows, mean in ((16, False), (128, False), (128, True)):
+                for varlen in (False, True):
+                    cfg = QKInt8Quant(d, rows, in_bf16, mean, varlen)
+                    label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows{rows}{' mean' if mean else ''}"
+                             f"{' varlen' if varlen else ''}")
+                    out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+    return out

@@ -1,0 +1,317 @@
+"""Torch entry points of the INT8 Q/K prepass kernels: :func:`quantize_qk_int8` and :func:`quantize_qk_int8_varlen`.
+
+Both return ``(q_int8, q_scale, k_int8, k_scale, k_mean)`` with the shapes, dtypes and bytes of
+:func:`qattn.quant.qk_int8.quantize_qk_int8_reference` / :func:`~qattn.quant.qk_int8.quantize_qk_int8_varlen_reference`
+(K smoothing: the kernels' mean is the correctly rounded mean of the fp64-exact sum, so it normally equals the
+reference's bit for bit; the K bytes are those the reference gives for the kernels' mean).
+
+Launches (all on torch's current stream, no host synchronisation, so CUDA-graph capturable once compiled):
+
+1. ``smooth_k`` only: :class:`~qattn.cute_kernels.sm90.qk_int8_kmean.KMeanPartial`, fp64 column sums of K per
+   chunk of rows (first read of K).
+2. :class:`~qattn.cute_kernels.sm90.qk_int8_quant.QKInt8Quant` on K (groups of ``block_k`` rows; with smoothing
+   it finishes the mean, writes ``k_mean`` and quantizes ``k - mean``; second read of K).
+3. The same kernel on Q (groups of ``warp_q`` or ``block_q`` rows; one read of Q).
+
+Inputs: bf16 or fp16, head_dim 64, 128 or 256, last dimension contiguous; other strides are passed to the
+kernels as they are when they (and the data pointer) keep 16-byte alignment, otherwise the input is copied
+first (``.contiguous()``). Outputs are fresh contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qk_int8 import _check_blocks, _num_groups
+
+__all__ = ["quantize_qk_int8", "quantize_qk_int8_varlen"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 128, 256)
+_MAX_GRID_YZ = 65535
+_MAX_I32 = 2**31 - 1
+_MAX_K_CHUNKS = 32  # the quantize kernel adds this many fp64 partial sums per column, per CTA
+_MIN_CHUNK_ROWS = 256
+_NUM_SMS: dict = {}
+
+
+# ------------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------------
+def _check_input(t, name: str, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected shape {layout}, got {tuple(t.shape)}")
+    if t.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be one of {_HEAD_DIMS}, got {t.shape[-1]}")
+
+
+def _check_pair(q: torch.Tensor, k: torch.Tensor) -> None:
+    if k.device != q.device:
+        raise ValueError(f"k: expected device {q.device} (that of q), got {k.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's head_dim {q.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k: num_kv_heads ({hkv}) must divide num_q_heads ({hq})")
+    if max(hq, hkv) > _MAX_GRID_YZ:
+        raise ValueError(f"q: at most {_MAX_GRID_YZ} heads (grid limit), got {max(hq, hkv)}")
+    if not q.is_cuda:
+        raise ValueError(f"q: expected a CUDA tensor, got device {q.device} "
+                         "(use qattn.quant.quantize_qk_int8_reference on the CPU)")
+
+
+def _check_cu(cu, name: str, device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected shape (num_seqs + 1,), got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {cu.device}")
+
+
+def _check_max_seqlen(v, name: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name}: must be >= 0, got {v}")
+    return v
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernels can read it in place (last dim contiguous, every other stride and the data
+    pointer 16-byte aligned), else a contiguous copy. Strides of size-1 dimensions are never used."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    ok = ok and all(t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
+    if ok:
+        return t
+    c = t.contiguous()
+    return c if c.data_ptr() % 16 == 0 else c.clone()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Element strides of the leading dimensions, 0 for size-1 dimensions (they are only multiplied by 0)."""
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(t.dim() - 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled kernels
+# ------------------------------------------------------------------------------------------------
+def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subtract_mean: bool, varlen: bool):
+    from ..cute_kernels.sm90 import qk_int8_quant as m
+
+    cfg = m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen)
+    return cfg, m.compiled_quant(cfg, arch)
+
+
+def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool):
+    from ..cute_kernels.sm90 import qk_int8_kmean as m
+
+    cfg = m.KMeanPartial(head_dim, in_bf16, varlen)
+    return cfg, m.compiled_kmean(cfg, arch)
+
+
+def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (the GPU tests replace it with one that poisons the memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple[int, int]:
+    """(num_chunks, chunk_rows) for the K-sum grid: about 4 CTAs per SM, chunks of >= 256 rows, at most
+    ``_MAX_K_CHUNKS`` per (sequence, head); ``rows`` = sequences x heads."""
+    want = -(-4 * num_sms // max(rows, 1))
+    n = max(1, min(want, -(-seqlen // _MIN_CHUNK_ROWS), _MAX_K_CHUNKS))
+    chunk = -(-seqlen // n)
+    chunk = -(-chunk // rows_per_step) * rows_per_step
+    return -(-seqlen // chunk), chunk
+
+
+# ------------------------------------------------------------------------------------------------
+# the shared launch sequence
+# ------------------------------------------------------------------------------------------------
+def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, granularity: str, smooth_k: bool,
+                block_q: int, warp_q: int, block_k: int, q_int8, q_scale, k_int8, k_scale, k_mean) -> None:
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+
+    from ..interface.variants import supported_arch
+
+    varlen = cu_q is not None
+    dev = q.device
+    D = q.shape[-1]
+    Hq, Hkv = q.shape[-2], k.shape[-2]
+    q_group = block_q if granularity == "per_block" else warp_q
+
+    def addr(t):
+        return Int64(0 if t is None else t.data_ptr())
+
+    def strides(t):
+        s = _strides(t)
+        return (Int64(0), Int64(s[0]), Int64(s[1])) if varlen else tuple(Int64(x) for x in s)
+
+    with torch.cuda.device(dev):
+        arch = supported_arch(dev)
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        if seqlen_k > 0:
+            partial = None
+            num_chunks = 1
+            if smooth_k:
+                kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen)
+                num_chunks, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
+                partial = _alloc((batch, Hkv, num_chunks, D), torch.float64, dev)
+                kmean(addr(k), addr(partial), addr(cu_k), Int32(batch), Int32(seqlen_k), Int32(Hkv),
+                      Int32(num_chunks), Int32(chunk_rows), *strides(k), stream)
+            _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
+            kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), Int32(batch),
+                   Int32(seqlen_k), Int32(Hkv), Int32(k_scale.shape[2]), Int32(num_chunks), *strides(k), stream)
+        if seqlen_q > 0:
+            _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen)
+            qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), Int32(batch),
+                   Int32(seqlen_q), Int32(Hq), Int32(q_scale.shape[2]), Int32(1), *strides(q), stream)
+
+
+def _check_group_sizes(D: int, granularity: str, block_q: int, warp_q: int, block_k: int) -> None:
+    from ..cute_kernels.sm90.qk_int8_quant import QKInt8Quant
+
+    QKInt8Quant(D, block_q if granularity == "per_block" else warp_q)  # raises for groups too large for a CTA
+    QKInt8Quant(D, block_k)
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+# ------------------------------------------------------------------------------------------------
+def quantize_qk_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    block_q: int = 128,
+    warp_q: int = 16,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """INT8 Q/K quantization for the SageAttention-style prefill, on the GPU (CuTe-DSL kernels).
+
+    ``q`` (batch, seqlen_q, num_q_heads, head_dim) and ``k`` (batch, seqlen_k, num_kv_heads, head_dim), bf16 or
+    fp16, head_dim 64 / 128 / 256. Returns ``(q_int8, q_scale, k_int8, k_scale, k_mean)``:
+
+    * ``q_int8`` (B, Sq, Hq, D) and ``k_int8`` (B, Sk, Hkv, D) int8, contiguous;
+    * ``q_scale`` fp32 (B, Hq, ceil(Sq / block_q)) for ``"per_block"``, (B, Hq, ceil(Sq / block_q) *
+      (block_q // warp_q)) for ``"per_warp"``; ``k_scale`` fp32 (B, Hkv, ceil(Sk / block_k));
+    * ``k_mean`` fp32 (B, Hkv, D), the per-channel mean of K that was subtracted, or None without ``smooth_k``.
+
+    Bytes and scales equal :func:`~qattn.quant.qk_int8.quantize_qk_int8_reference` (with ``k_mean=`` this
+    function's ``k_mean``). Launched on the current stream without host synchronisation; values are not
+    checked (NaN / Inf inputs give unspecified scales).
+    """
+    _check_blocks(granularity, block_q, warp_q, block_k)
+    if not isinstance(smooth_k, bool):
+        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_input(q, "q", 4, "(batch, seqlen_q, num_q_heads, head_dim)")
+    _check_input(k, "k", 4, "(batch, seqlen_k, num_kv_heads, head_dim)")
+    _check_pair(q, k)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    _check_group_sizes(D, granularity, block_q, warp_q, block_k)
+    if B > _MAX_GRID_YZ:
+        raise ValueError(f"q: batch at most {_MAX_GRID_YZ} (grid limit), got {B}")
+    if max(Sq, Sk) > _MAX_I32 // 2:
+        raise ValueError("q: seqlen exceeds the kernels' 32-bit row indexing")
+
+    dev = q.device
+    nq = _num_groups(Sq, granularity, block_q, warp_q)[1]
+    nk = -(-Sk // block_k)
+    q_int8 = _alloc((B, Sq, Hq, D), torch.int8, dev)
+    k_int8 = _alloc((B, Sk, Hkv, D), torch.int8, dev)
+    q_scale = _alloc((B, Hq, nq), torch.float32, dev)
+    k_scale = _alloc((B, Hkv, nk), torch.float32, dev)
+    k_mean = None
+    if smooth_k:
+        k_mean = _alloc((B, Hkv, D), torch.float32, dev)
+        if Sk == 0:
+            k_mean.zero_()  # an empty K has mean 0, as in the reference
+    if B == 0:
+        return q_int8, q_scale, k_int8, k_scale, k_mean
+    _launch_all(_kernel_view(q), _kernel_view(k), batch=B, seqlen_q=Sq, seqlen_k=Sk, cu_q=None, cu_k=None,
+                granularity=granularity, smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k,
+                q_int8=q_int8, q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
+    return q_int8, q_scale, k_int8, k_scale, k_mean
+
+
+def quantize_qk_int8_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    block_q: int = 128,
+    warp_q: int = 16,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Varlen :func:`quantize_qk_int8`: ``q`` (total_q, Hq, D), ``k`` (total_k, Hkv, D), sequence ``i`` being
+    rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, (num_seqs + 1,), FlashAttention's convention).
+
+    Layout (see :mod:`qattn.quant.qk_int8`): ``q_int8`` / ``k_int8`` like ``q`` / ``k``; scales padded per
+    sequence, ``q_scale`` (num_seqs, Hq, groups(max_seqlen_q)), ``k_scale`` (num_seqs, Hkv, ceil(max_seqlen_k
+    / block_k)), tail groups of shorter sequences 0; ``k_mean`` (num_seqs, Hkv, D). Groups never cross
+    sequence boundaries. Equal to :func:`~qattn.quant.qk_int8.quantize_qk_int8_varlen_reference`.
+
+    Not checked (that would synchronise): ``cu_seqlens`` non-decreasing from 0 with every length at most
+    ``max_seqlen``; rows outside every sequence are left unwritten in ``q_int8`` / ``k_int8``.
+    """
+    _check_blocks(granularity, block_q, warp_q, block_k)
+    if not isinstance(smooth_k, bool):
+        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_input(q, "q", 3, "(total_q, num_q_heads, head_dim)")
+    _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
+    _check_pair(q, k)
+    _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
+    _check_cu(cu_seqlens_k, "cu_seqlens_k", q.device)
+    n = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] - 1 != n:
+        raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q has {n}")
+    Sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    D, Hq, Hkv = q.shape[2], q.shape[1], k.shape[1]
+    _check_group_sizes(D, granularity, block_q, warp_q, block_k)
+    if n > _MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences (grid limit), got {n}")
+    if max(q.shape[0], k.shape[0], Sq, Sk) > _MAX_I32 // 2:
+        raise ValueError("q: total rows exceed the kernels' 32-bit row indexing")
+
+    dev = q.device
+    nq = _num_groups(Sq, granularity, block_q, warp_q)[1]
+    nk = -(-Sk // block_k)
+    q_int8 = _alloc(tuple(q.shape), torch.int8, dev)
+    k_int8 = _alloc(tuple(k.shape), torch.int8, dev)
+    q_scale = _alloc((n, Hq, nq), torch.float32, dev)
+    k_scale = _alloc((n, Hkv, nk), torch.float32, dev)
+    k_mean = None
+    if smooth_k:
+        k_mean = _alloc((n, Hkv, D), torch.float32, dev)
+        if Sk == 0:
+            k_mean.zero_()  # no K rows at all: every mean is 0
+    if n == 0:
+        return q_int8, q_scale, k_int8, k_scale, k_mean
+    _launch_all(_kernel_view(q), _kernel_view(k), batch=n, seqlen_q=Sq, seqlen_k=Sk,
+                cu_q=cu_seqlens_q.contiguous(), cu_k=cu_seqlens_k.contiguous(), granularity=granularity,
+                smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k, q_int8=q_int8,
+                q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
+    return q_int8, q_scale, k_int8, k_scale, k_mean

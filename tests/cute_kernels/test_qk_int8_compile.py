@@ -1,0 +1,159 @@
+"""CPU tests of the INT8 Q/K prepass kernels: they compile for sm_90a (and sm_100a) and the PTX has the intended
+shape: 16-byte loads, 8-byte int8 stores (both whole sectors per warp), correctly rounded divisions (never div.approx / div.full / rcp.approx), RNE
+int conversions (cvt.rni), explicit RN products / subtractions, no local memory, no flush to zero."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytestmark = pytest.mark.compile
+
+LD16 = r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b"
+ST8 = r"\bst\.global(\.\w+)*\.v2\.(b|u)32\b"
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_ptx(head_dim, group_rows, in_bf16=True, subtract_mean=False, varlen=False, arch="sm_90a"):
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.sm90 import qk_int8_quant
+
+    cfg, args = qk_int8_quant.make_quant_compile_args(head_dim, group_rows, in_bf16, subtract_mean, varlen)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    assert ptx
+    return cfg, ptx
+
+
+@functools.lru_cache(maxsize=None)
+def _kmean_ptx(head_dim, in_bf16=True, varlen=False, arch="sm_90a"):
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.sm90 import qk_int8_kmean
+
+    cfg, args = qk_int8_kmean.make_kmean_compile_args(head_dim, in_bf16, varlen)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    assert ptx
+    return cfg, ptx
+
+
+def _common(ptx, arch="sm_90a"):
+    from qattn.cute_kernels.compile_utils import ptx_has
+
+    assert ptx_has(ptx, rf"^\s*\.target\s+{arch}\b")
+    assert not ptx_has(ptx, r"\.local\b"), "local memory"
+    assert not ptx_has(ptx, r"\.ftz\b"), "flush to zero"
+    assert not ptx_has(ptx, r"\b(rcp|div|sqrt)\.approx|div\.full"), "approximate division"
+    assert not ptx_has(ptx, r"\bfma\.|\bmad\.(rn\.)?f"), "contracted float arithmetic"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group_rows", [16, 128])
+@pytest.mark.parametrize("in_bf16", [True, False], ids=["bf16", "fp16"])
+def test_quant_compiles(head_dim, group_rows, in_bf16):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+
+    cfg, ptx = _quant_ptx(head_dim, group_rows, in_bf16)
+    _common(ptx)
+    # every thread: one 16-byte load and one 8-byte int8 store per pass
+    assert ptx_count(ptx, LD16) == cfg.passes
+    assert ptx_count(ptx, ST8) == cfg.passes
+    # s = amax / 127 and inv = 1 / s, both correctly rounded
+    assert ptx_count(ptx, r"\bdiv\.rn\.f32\b") == 2
+    assert ptx_has(ptx, r"div\.rn\.f32\s+%r\d+,\s*0f3F800000")
+    assert ptx_count(ptx, r"\bcvt\.rni\.s32\.f32\b") == 8 * cfg.passes
+    assert ptx_count(ptx, r"\bmul\.rn\.f32\b") == 8 * cfg.passes
+    assert ptx_has(ptx, r"\batom\.shared(\.\w+)*\.max\.s32\b")
+    assert ptx_has(ptx, r"\bshfl\.sync\.bfly")
+    assert not ptx_has(ptx, r"\bsub\.rn\.f32\b|\bf64\b")  # no mean without smoothing
+    if not in_bf16:
+        assert ptx_has(ptx, r"\bcvt\.f32\.f16\b")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_quant_with_mean_compiles(head_dim, varlen):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+
+    cfg, ptx = _quant_ptx(head_dim, 128, True, True, varlen)
+    _common(ptx)
+    assert ptx_count(ptx, LD16) == cfg.passes and ptx_count(ptx, ST8) == cfg.passes
+    assert ptx_count(ptx, r"\bdiv\.rn\.f32\b") == 2
+    # the mean: fp64 sum of the chunks, one RN fp64 division, one RN conversion to fp32, RN subtraction
+    assert ptx_has(ptx, r"\badd\.f64\b") and ptx_count(ptx, r"\bdiv\.rn\.f64\b") == 1
+    assert ptx_count(ptx, r"\bcvt\.rn\.f32\.f64\b") == 1
+    assert ptx_count(ptx, r"\bsub\.rn\.f32\b") >= 8
+    assert ptx_has(ptx, r"\bcvt\.rni\.s32\.f32\b")
+
+
+def test_quant_varlen_and_odd_groups_compile():
+    from qattn.cute_kernels.compile_utils import ptx_count
+
+    for rows in (7, 48, 200, 1024):
+        cfg, ptx = _quant_ptx(128, rows, False, rows == 48, True)
+        _common(ptx)
+        assert cfg.tile_rows % rows == 0 and cfg.threads % 32 == 0 and cfg.threads <= 1024
+        assert ptx_count(ptx, LD16) == cfg.passes and ptx_count(ptx, ST8) == cfg.passes
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("in_bf16,varlen", [(True, False), (False, True)])
+def test_kmean_compiles(head_dim, in_bf16, varlen):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+    from qattn.cute_kernels.sm90.qk_int8_kmean import UNROLL
+
+    cfg, ptx = _kmean_ptx(head_dim, in_bf16, varlen)
+    _common(ptx)
+    assert ptx_count(ptx, LD16) == UNROLL
+    assert ptx_count(ptx, r"\bcvt\.f64\.f32\b") == 8 * UNROLL  # exact widening of every value
+    assert ptx_has(ptx, r"\badd\.f64\b")
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)64\b") == 1
+
+
+def test_compiles_for_sm100():
+    _common(_quant_ptx(128, 16, arch="sm_100a")[1], "sm_100a")
+    _common(_quant_ptx(128, 128, True, True, arch="sm_100a")[1], "sm_100a")
+    _common(_kmean_ptx(128, arch="sm_100a")[1], "sm_100a")
+
+
+def test_config_errors_and_keys():
+    from qattn.cute_kernels.sm90.qk_int8_kmean import KMeanPartial
+    from qattn.cute_kernels.sm90.qk_int8_quant import QKInt8Quant
+
+    with pytest.raises(ValueError, match="head_dim"):
+        QKInt8Quant(96, 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        KMeanPartial(32)
+    with pytest.raises(ValueError, match="group_rows"):
+        QKInt8Quant(128, 2048)
+    with pytest.raises(ValueError, match="group_rows"):
+        QKInt8Quant(128, 0)
+    keys = {QKInt8Quant(d, r, b, m, v).key for d in (64, 128) for r in (16, 128) for b in (True, False)
+            for m in (True, False) for v in (True, False)}
+    assert len(keys) == 32
+
+
+def test_registered_variants():
+    from qattn.interface import variants
+
+    assert {"qk_int8_quant", "qk_int8_kmean"} <= set(variants.kinds())
+    vq = variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
+    vk = variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[128, 96])
+    assert len(vq) == 12 and len(vk) == 4
+    assert len({v.key for v in vq + vk}) == 16
+    assert all(v.key[:2] == (v.kind, "sm_90a") for v in vq + vk)
+
+
+def test_export_and_reload_through_the_compile_cache(tmp_path, monkeypatch):
+    # the launchers' path: compiled once, exported as an object, loaded back by a fresh process-level cache
+    from qattn.interface import CompileCache, variants
+
+    monkeypatch.setenv("QATTN_CACHE_DIR", str(tmp_path))
+    picks = [v for v in variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
+             if v.key[-2:] == (True, False)][:1]  # K with smoothing, dense
+    picks += variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[64])[:1]
+    assert len(picks) == 2
+    for v in picks:
+        CompileCache(v.kind).get(v.key, v.build)
+        fresh = CompileCache(v.kind)
+        assert fresh.get(v.key, v.build) is not None and fresh.events[-1].source == "disk"
+    assert len(list(tmp_path.rglob("*.o"))) == 2

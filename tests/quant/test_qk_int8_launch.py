@@ -1,0 +1,86 @@
+"""CPU tests of the INT8 Q/K prepass launchers: argument validation (before anything touches a GPU), the
+in-place-or-copy decision for strided inputs and the K-sum grid heuristic."""
+
+import pytest
+import torch
+
+from qattn.quant import launch
+from qattn.quant.launch import quantize_qk_int8, quantize_qk_int8_varlen
+
+
+def _qk(B=2, Sq=40, Sk=50, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
+    return torch.randn(B, Sq, Hq, D).to(dtype), torch.randn(B, Sk, Hkv, D).to(dtype)
+
+
+def test_dense_errors():
+    q, k = _qk()
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_qk_int8(q, k, granularity="per_thread")
+    with pytest.raises(ValueError, match="warp_q"):
+        quantize_qk_int8(q, k, block_q=64, warp_q=48)
+    with pytest.raises(TypeError, match="smooth_k"):
+        quantize_qk_int8(q, k, smooth_k=1)
+    with pytest.raises(TypeError, match="q"):
+        quantize_qk_int8(q.float(), k)
+    with pytest.raises(TypeError, match="k"):
+        quantize_qk_int8(q, k.to(torch.int8))
+    with pytest.raises(TypeError, match="q"):
+        quantize_qk_int8(q.tolist(), k)
+    with pytest.raises(ValueError, match="q"):
+        quantize_qk_int8(q[0], k)
+    qq, kk = _qk(D=96)
+    with pytest.raises(ValueError, match="head_dim"):
+        quantize_qk_int8(qq, kk)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        quantize_qk_int8(q[:, :, :3], k)
+    with pytest.raises(ValueError, match="head_dim"):
+        quantize_qk_int8(q, torch.randn(2, 50, 2, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA"):
+        quantize_qk_int8(q, k)  # CPU tensors: a clear error, not a crash
+
+
+def test_varlen_errors():
+    q = torch.randn(10, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(12, 2, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q"):
+        quantize_qk_int8_varlen(q[None], k, cu_q, cu_k, 6, 7)
+    with pytest.raises(ValueError, match="CUDA"):
+        quantize_qk_int8_varlen(q, k, cu_q, cu_k, 6, 7)
+    with pytest.raises(ValueError, match="warp_q"):
+        quantize_qk_int8_varlen(q, k, cu_q, cu_k, 6, 7, warp_q=3)
+    with pytest.raises(TypeError, match="smooth_k"):
+        quantize_qk_int8_varlen(q, k, cu_q, cu_k, 6, 7, smooth_k=None)
+
+
+def test_kernel_view_in_place_or_copy():
+    base = torch.empty(2, 64, 8, 128, dtype=torch.bfloat16)
+    # contiguous, and head / seqlen slices keep 16-byte aligned strides: used in place
+    assert launch._kernel_view(base) is base
+    v = base[:, :, 2:6]
+    assert launch._kernel_view(v) is v and launch._strides(v) == (64 * 8 * 128, 8 * 128, 128)
+    v = base.transpose(1, 2)  # (B, H, S, D) memory seen as (B, S, H, D) after a transpose back is fine too
+    assert launch._kernel_view(v) is v
+    # last dimension not contiguous, or a misaligned start: copied
+    w = base[..., ::2]
+    assert launch._kernel_view(w).is_contiguous()
+    flat = torch.randn(1 + 2 * 16 * 4 * 64).to(torch.bfloat16)
+    odd = flat[1:].view(2, 16, 4, 64)
+    got = launch._kernel_view(odd)
+    assert got is not odd and got.data_ptr() % 16 == 0 and torch.equal(got, odd)
+    # size-1 dimensions: their strides are never used
+    one = base[:1, :1]
+    assert launch._strides(one) == (0, 0, 128)
+
+
+def test_k_chunks():
+    # B2 x 16 heads x 8K rows on 132 SMs: >= 4 CTAs per SM, chunks a multiple of the kernel's step
+    n, rows = launch._k_chunks(8192, 32, 64, 132)
+    assert n * 32 >= 4 * 132 - 32 and rows % 64 == 0 and n * rows >= 8192 and (n - 1) * rows < 8192
+    # short sequences: one chunk; long sequences with few heads: at most 32 chunks
+    assert launch._k_chunks(100, 1, 64, 132) == (1, 128)
+    n, rows = launch._k_chunks(1 << 20, 1, 64, 132)
+    assert n <= 32 and n * rows >= 1 << 20
+    n, rows = launch._k_chunks(1, 4, 64, 132)
+    assert n == 1 and rows == 64
