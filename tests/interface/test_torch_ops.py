@@ -74,17 +74,18 @@ def test_ring_decode_step_traces_with_seq_slots():
     q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 64, dtype=torch.bfloat16)
     slots, pos = torch.tensor([3, 40]), torch.tensor([3, 8])
-    seqs = torch.tensor([2, 0], dtype=torch.int32)
+    tok_seqs = torch.tensor([2, 0])  # write_kv: int64 per token
+    seqs = tok_seqs.to(torch.int32)  # decode: int32 per batch row
     lens = torch.tensor([4, 9], dtype=torch.int32)
     table = torch.tensor([[0, 1, 2], [2, 4, 5]], dtype=torch.int32)
 
-    def step(q, k, v, slots, seqs, pos, lens, table):
-        qattn.write_kv(cache, 0, k, v, slots, seq_slots=seqs, positions=pos)
+    def step(q, k, v, slots, tok_seqs, pos, seqs, lens, table):
+        qattn.write_kv(cache, 0, k, v, slots, seq_slots=tok_seqs, positions=pos)
         return qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=record)
-    compiled(q, k, k.clone(), slots, seqs, pos, lens, table)
+    compiled(q, k, k.clone(), slots, tok_seqs, pos, seqs, lens, table)
     assert len(graphs) == 1
     dec = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "qattn.paged_decode" in str(n.target)]
     assert len(dec) == 1
