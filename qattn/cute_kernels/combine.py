@@ -22,7 +22,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-__all__ = ["CombineSplits"]
+from qattn.interface.variants import Variant, register
+
+__all__ = ["CombineSplits", "combine_cache_key", "combine_compile_args"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -94,3 +96,31 @@ class CombineSplits:
                 mO[R * D + v * 32 + lane] = (st[2 + v] * inv).to(self.out_dtype)
             if lane == 0:
                 mL[lrow] = Float32(cutlass.select_(has, M_use + cute.math.log(L, fastmath=True), Float32(-math.inf)))
+
+
+def combine_cache_key(arch: str, comb: CombineSplits) -> tuple:
+    """The compile-cache key of a combine variant (the launcher's and ``qattn-warmup``'s)."""
+    return (arch,) + comb.key
+
+
+def combine_compile_args() -> list:
+    """Placeholder arguments of :meth:`CombineSplits.__call__` to compile without a GPU."""
+    return [Int64(0)] * 4 + [Int32(1)] * 4 + [cute.runtime.make_fake_stream()]
+
+
+@register("combine")
+def _combine_variants(arch: str, head_dims=None, q_dtypes=None, **_):
+    """The split-KV combine of the SM90 decode launcher: one variant per (head_dim, output dtype)."""
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+    from qattn.cute_kernels.sm90.decode_config import HEAD_DIMS
+
+    if arch != "sm_90a":  # only the SM90 decode launcher uses it
+        return []
+    out = []
+    for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:
+        for qd in q_dtypes or ["bf16"]:
+            comb = CombineSplits(d, qd)
+            build = (lambda comb=comb: compile_for_arch(comb, *combine_compile_args(), arch=arch,
+                                                        keep_ptx=False)[0])
+            out.append(Variant("combine", combine_cache_key(arch, comb), f"D{d} out {qd}", build))
+    return out

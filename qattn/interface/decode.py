@@ -9,7 +9,6 @@ case raises a ``ValueError`` / ``TypeError`` naming the argument.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -18,10 +17,11 @@ from ..layouts.paged import PagedKVCache
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .variants import cache_for
 
-__all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for"]
+__all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
 _NUM_SMS: dict = {}
 _MAX_SEQLEN_Q = 16
+_MAX_ROWS = 256  # seqlen_q * GQA ratio (decode_config.MAX_ROWS; not imported here to keep cutlass out)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -29,50 +29,40 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def _tile_n(cache: PagedKVCache) -> int:
-    """Tokens per KV tile: ``default_tile_n`` for the formats, or ``QATTN_DECODE_TILE_N`` (64 / 128; tuning)."""
-    from ..cute_kernels.sm90.decode_config import default_tile_n
+    """Tokens per page tile (``QATTN_DECODE_TILE_N`` is read once per process: ``tuning_from_env``)."""
+    from ..cute_kernels.sm90.decode_config import tile_n_for
 
-    v = os.environ.get("QATTN_DECODE_TILE_N")
-    if v is None:
-        return default_tile_n(cache.k_format, cache.v_format)
-    if v not in ("64", "128"):
-        raise ValueError(f"QATTN_DECODE_TILE_N: expected 64 or 128, got {v!r}")
-    return int(v)
-
-
-def _min_warps() -> int:
-    """Warps per CTA for small row counts: 4, or ``QATTN_DECODE_WARPS`` (4 / 8; tuning runs)."""
-    v = os.environ.get("QATTN_DECODE_WARPS", "4")
-    if v not in ("4", "8"):
-        raise ValueError(f"QATTN_DECODE_WARPS: expected 4 or 8, got {v!r}")
-    return int(v)
+    return tile_n_for(cache.k_format, cache.v_format)
 
 
 def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool):
-    """The :class:`DecodeConfig` a call with these parameters uses."""
-    from ..cute_kernels.sm90.decode_config import DecodeConfig, row_tiles_for
+    """The :class:`DecodeConfig` a call with these parameters uses (``decode_config.choose_config``, which
+    ``qattn-warmup`` uses too)."""
+    from ..cute_kernels.sm90.decode_config import choose_config
 
-    tile_n = _tile_n(cache)
-    # 8 warps split a tile 8 ways only when it has 8 x 16 tokens
-    min_warps = _min_warps() if tile_n >= 128 else 4
-    return DecodeConfig(cache.k_format, cache.v_format, cache.head_dim, q_dtype, group,
-                        row_tiles_for(seqlen_q * group), cache.page_size, bool(causal), bool(split),
-                        tile_n=tile_n, min_warps=min_warps)
+    return choose_config(cache.k_format, cache.v_format, cache.head_dim, cache.page_size, q_dtype, group,
+                         seqlen_q, causal, split, ring_window=cache.recent_window,
+                         ring_dtype=_dtype_name(cache.dtype))
+
+
+def decode_cache_key(arch: str, cfg) -> tuple:
+    """The compile-cache key of a decode variant (the runtime's and the warm-up's)."""
+    from ..cute_kernels.sm90.decode import decode_cache_key as key
+
+    return key(arch, cfg)
 
 
 def decode_compile_args():
     """Placeholder arguments (fake addresses, fake stream) to compile a decode kernel without a GPU."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
+    from ..cute_kernels.sm90.decode import decode_compile_args as args
 
-    return [Int64(0)] * 11 + [Int32(1)] * 6 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return args()
 
 
 def combine_compile_args():
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
+    from ..cute_kernels.combine import combine_compile_args as args
 
-    return [Int64(0)] * 4 + [Int32(1)] * 4 + [cute.runtime.make_fake_stream()]
+    return args()
 
 
 def _check_arch(device: torch.device) -> str:
@@ -100,6 +90,19 @@ def _check_vec(t, name: str, n: int, device) -> None:
         raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if n > 1 and t.stride(0) != 1:  # the kernel reads it by address
+        raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
+
+
+def _check_seq_slots(cache: PagedKVCache, seq_slots, batch: int, device) -> None:
+    """``seq_slots`` is required exactly when the cache keeps a recent-token window."""
+    if cache.recent_window:
+        if seq_slots is None:
+            raise ValueError(f"seq_slots: the cache keeps its newest {cache.recent_window} tokens per sequence in "
+                             f"a ring; pass seq_slots ({batch},) int32, the ring slot of each batch row")
+        _check_vec(seq_slots, "seq_slots", batch, device)
+    elif seq_slots is not None:
+        raise ValueError("seq_slots: the cache has no recent-token window (recent_window=0); pass None")
 
 
 def _flash_attn_with_kvcache_eager(
@@ -108,6 +111,7 @@ def _flash_attn_with_kvcache_eager(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor,
     *,
+    seq_slots: Optional[torch.Tensor] = None,
     layer: int = 0,
     softmax_scale: Optional[float] = None,
     causal: bool = True,
@@ -120,6 +124,12 @@ def _flash_attn_with_kvcache_eager(
     ``cache_seqlens`` (batch,) int32 and ``block_table`` (batch, max_blocks) int32 live on q's device: token t of
     sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
     (query i sees keys j <= i + len - seqlen_q). ``num_splits`` = 0 picks the split-KV count from host-known sizes.
+    seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
+
+    Caches with a recent-token window W need ``seq_slots`` (batch,) int32, the ring slot of each batch row: the
+    newest min(len, W) positions of sequence b are read from ``ring[seq_slots[b], :, position % W]`` (bf16 /
+    f16), older ones from the quantized pages, in the same launch (as ``paged_decode_reference``). Ring slots
+    are clamped to [0, max_seqs) on the device, like block ids.
     Returns ``out`` (batch, seqlen_q, num_heads, head_dim) in q's dtype, and with ``return_lse`` also the
     natural-log LSE (batch, num_heads, seqlen_q) fp32.
 
@@ -148,16 +158,15 @@ def _flash_attn_with_kvcache_eager(
     group = Hq // H
     if not 1 <= Sq <= _MAX_SEQLEN_Q:
         raise ValueError(f"q: seqlen_q must be in [1, {_MAX_SEQLEN_Q}], got {Sq}")
-    if Sq * group > 128:
-        raise ValueError(f"q: seqlen_q * (num_heads / num_kv_heads) = {Sq} * {group} exceeds 128 rows per kv head "
-                         "(GQA ratio too large for this seqlen_q in kernel v0)")
+    if Sq * group > _MAX_ROWS:
+        raise ValueError(f"q: seqlen_q * (num_heads / num_kv_heads) = {Sq} * {group} exceeds {_MAX_ROWS} query rows "
+                         "per kv head (the decode kernel's limit: e.g. seqlen_q 16 with GQA 16)")
     if cache.device != q.device:
         raise ValueError(f"cache: on {cache.device}, q on {q.device}")
-    if cache.recent_window:
-        raise ValueError("cache: caches with a recent-token window are not supported by the decode kernel yet")
     if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
         raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {layer!r}")
     _check_vec(cache_seqlens, "cache_seqlens", B, q.device)
+    _check_seq_slots(cache, seq_slots, B, q.device)
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table: expected a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dtype != torch.int32:
@@ -186,8 +195,6 @@ def _flash_attn_with_kvcache_eager(
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64
 
-    from ..cute_kernels.combine import CombineSplits
-    from ..cute_kernels.sm90.decode import DecodeSm90
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
 
     dev = q.device
@@ -197,8 +204,7 @@ def _flash_attn_with_kvcache_eager(
         num_splits = num_splits_heuristic(B, H, block_table.shape[1] * cache.page_size, _NUM_SMS[dev],
                                           tile_n=_tile_n(cache))
     split = num_splits > 1
-    qd = _dtype_name(q.dtype)
-    cfg = decode_config_for(cache, qd, group, Sq, causal, split)
+    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, causal, split)
 
     q = q.contiguous()
     block_table = block_table.contiguous()
@@ -212,7 +218,6 @@ def _flash_attn_with_kvcache_eager(
 
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        kern = _get("decode", (arch,) + cfg.key, lambda: DecodeSm90(cfg), decode_compile_args())
         if split:
             o_part = torch.empty((num_splits, B, Sq, Hq, D), dtype=torch.float32, device=dev)
             l_part = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=dev)
@@ -222,14 +227,39 @@ def _flash_attn_with_kvcache_eager(
         kern(addr(q), addr(lay.k_data), addr(lay.k_scale_pool), addr(lay.k_global_scale),
              addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
              addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
+             addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots),
              Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks),
-             Int32(num_splits), Float32(softmax_scale * math.log2(math.e)), stream)
+             Int32(num_splits), Int32(max(cache.max_seqs, 1)), Float32(softmax_scale * math.log2(math.e)), stream)
         if split:
-            comb = CombineSplits(D, qd)
-            ck = _get("combine", (arch,) + comb.key, lambda: comb, combine_compile_args())
-            ck(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
-               Int32(num_splits), stream)
+            comb(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
+                 Int32(num_splits), stream)
     return (out, lse) if return_lse else out
+
+
+_KERNELS: dict = {}
+
+
+def _kernels(arch: str, cache: PagedKVCache, qd: str, group: int, seqlen_q: int, causal: bool, split: bool):
+    """(decode kernel, combine kernel or None) of a call, memoized on the host-known facts that choose them so
+    that a repeated call skips building its config and cache keys (the eager launch cost)."""
+    from ..cute_kernels.sm90.decode_config import tuning_from_env
+
+    memo_key = (arch, cache.k_format, cache.v_format, cache.head_dim, cache.page_size, cache.recent_window,
+                cache.dtype, qd, group, seqlen_q, bool(causal), split, tuning_from_env())
+    hit = _KERNELS.get(memo_key)
+    if hit is not None:
+        return hit
+    from ..cute_kernels.combine import CombineSplits, combine_cache_key
+    from ..cute_kernels.sm90.decode import DecodeSm90
+
+    cfg = decode_config_for(cache, qd, group, seqlen_q, causal, split)
+    kern = _get("decode", decode_cache_key(arch, cfg), lambda: DecodeSm90(cfg), decode_compile_args())
+    ck = None
+    if split:
+        comb = CombineSplits(cache.head_dim, qd)
+        ck = _get("combine", combine_cache_key(arch, comb), lambda: comb, combine_compile_args())
+    _KERNELS[memo_key] = (kern, ck)
+    return kern, ck
 
 
 def flash_attn_with_kvcache(
@@ -238,6 +268,7 @@ def flash_attn_with_kvcache(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor,
     *,
+    seq_slots: Optional[torch.Tensor] = None,
     layer: int = 0,
     softmax_scale: Optional[float] = None,
     causal: bool = True,
@@ -247,8 +278,8 @@ def flash_attn_with_kvcache(
 ):
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         return paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
-                                   return_lse, out)
-    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, layer=layer,
+                                   return_lse, out, seq_slots=seq_slots)
+    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                           softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                           return_lse=return_lse, out=out)
 

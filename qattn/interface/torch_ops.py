@@ -67,18 +67,21 @@ def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
                     k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
                     cache_seqlens: torch.Tensor, block_table: torch.Tensor, k_format: str, v_format: str,
                     page_size: int, softmax_scale: float, causal: bool,
-                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_splits: int, k_ring: Optional[torch.Tensor] = None, v_ring: Optional[torch.Tensor] = None,
+                    seq_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode import _flash_attn_with_kvcache_eager
 
-    cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, None, None,
-                  k_format, v_format, page_size, _head_dim(k_data, k_format), torch.bfloat16)
-    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, softmax_scale=softmax_scale,
-                                          causal=causal, num_splits=num_splits, return_lse=True)
+    ring_dtype = k_ring.dtype if k_ring is not None else torch.bfloat16
+    cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype)
+    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots,
+                                          softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                          return_lse=True)
 
 
 @paged_decode_op.register_fake
 def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, cache_seqlens, block_table,
-      k_format, v_format, page_size, softmax_scale, causal, num_splits):
+      k_format, v_format, page_size, softmax_scale, causal, num_splits, k_ring=None, v_ring=None, seq_slots=None):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -91,7 +94,7 @@ def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slo
 
 
 def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,
-                        num_splits: int, return_lse: bool, out):
+                        num_splits: int, return_lse: bool, out, seq_slots=None):
     import math
 
     lay = cache.layer(layer)
@@ -99,7 +102,8 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
     o, lse = torch.ops.qattn.paged_decode(q, lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
                                           lay.k_global_scale, lay.v_global_scale, cache_seqlens, block_table,
                                           format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
-                                          scale, bool(causal), int(num_splits))
+                                          scale, bool(causal), int(num_splits), lay.k_ring, lay.v_ring,
+                                          seq_slots)
     if out is not None:
         out.copy_(o)
         o = out

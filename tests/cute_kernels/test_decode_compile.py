@@ -2,7 +2,9 @@
 tensor-core MMA (mma.sync m16n8k16), the 16-byte cp.async loads and, for FP4, the prmt-based decode.
 
 A representative subset runs by default (every K and V format at least once, both head_dims, every row-tile count,
-split and causal flags, every page-size class, fp16 q); the full K x V format matrix is marked ``slow``.
+two m-blocks (> 128 rows), the recent-token ring (bf16 and f16, with and without split), split and causal flags,
+every page-size class, fp16 q); the full K x V format matrix is marked ``slow``. The tile / split / ring schedule
+of the kernel is emulated in plain Python at the end (the index math the GPU tests then check for real).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from qattn.cute_kernels.combine import CombineSplits
 from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
 from qattn.cute_kernels.sm90.decode import DecodeSm90
-from qattn.cute_kernels.sm90.decode_config import DecodeConfig, num_splits_heuristic, row_tiles_for
+from qattn.cute_kernels.sm90.decode_config import (DecodeConfig, m_blocks_for, num_splits_heuristic, row_tiles_for,
+                                                   tuning_from_env)
 from qattn.interface.decode import combine_compile_args, decode_compile_args
 from qattn.layouts.formats import FORMAT_NAMES, kv_format
 
@@ -29,11 +33,24 @@ REPRESENTATIVE = [
     ("int8", "int8", 64, "bf16", 4, 4, 32, True, False),
     ("int8", "nvfp4", 128, "bf16", 8, 1, 128, True, True),  # mixed pair
     ("nvfp4", "bf16", 128, "f16", 4, 2, 64, False, False),  # f16 q with a bf16 V
+    ("nvfp4", "nvfp4", 128, "bf16", 16, 16, 16, True, True),  # 256 rows: 2 m-blocks
+    ("fp8", "int8", 64, "f16", 16, 9, 64, True, False),  # 144 rows: 2 m-blocks, the second one partial
+]
+
+# recent-token ring: (k format, v format, head_dim, q dtype, group, seqlen_q, page, causal, split, W, ring dtype)
+RING = [
+    ("nvfp4", "nvfp4", 128, "bf16", 8, 1, 64, True, False, 64, "bf16"),  # f16 page MMAs, bf16 ring: Q reloaded
+    ("nvfp4", "nvfp4", 64, "bf16", 4, 4, 16, True, True, 64, "bf16"),  # + split, V global scale moved
+    ("bf16", "bf16", 128, "bf16", 1, 1, 128, True, True, 64, "bf16"),  # same MMA type everywhere
+    ("int8", "nvfp4", 128, "f16", 16, 16, 16, True, True, 64, "f16"),  # row scales, 2 m-blocks, f16 ring
+    ("fp8", "mxfp4", 64, "bf16", 4, 1, 128, False, False, 100, "f16"),  # W not a power of two; bf16 q -> f16
 ]
 
 
-def _compile(kf, vf, D, qd, group, sq, page, causal, split):
-    cfg = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(group * sq), page, causal, split)
+def _compile(kf, vf, D, qd, group, sq, page, causal, split, window=0, ring_dtype="bf16"):
+    rows = group * sq
+    cfg = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(rows), page, causal, split,
+                       m_blocks=m_blocks_for(rows), ring_window=window, ring_dtype=ring_dtype)
     _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
     return cfg, ptx
 
@@ -53,6 +70,27 @@ def _check_ptx(cfg: DecodeConfig, ptx: str) -> None:
                          f"{'-causal' if c[7] else ''}{'-split' if c[8] else ''}")
 def test_decode_compiles_sm90(case):
     cfg, ptx = _compile(*case)
+    _check_ptx(cfg, ptx)
+
+
+@pytest.mark.parametrize("case", RING, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}-g{c[4]}-sq{c[5]}-p{c[6]}"
+                         f"{'-causal' if c[7] else ''}{'-split' if c[8] else ''}-w{c[9]}-{c[10]}")
+def test_decode_ring_compiles_sm90(case):
+    cfg, ptx = _compile(*case)
+    _check_ptx(cfg, ptx)
+    # the ring tiles' own MMAs: bf16 for a bf16 ring, f16 for an f16 one
+    t = "bf16" if cfg.ring_dtype == "bf16" else "f16"
+    assert ptx_count(ptx, rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{t}\.{t}\.f32") > 0
+    _, base = _compile(*case[:9])
+    assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global") > ptx_count(base, r"cp\.async\.cg\.shared\.global")
+
+
+def test_decode_ring_eight_warps_compiles_sm90():
+    """QATTN_DECODE_WARPS=8 with 128-token page tiles: 8 token groups, so 128-token ring tiles."""
+    f = kv_format("nvfp4")
+    cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 16, True, True, tile_n=128, min_warps=8, ring_window=64)
+    assert cfg.token_groups == 8 and cfg.ring_tile_n == 128
+    _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
     _check_ptx(cfg, ptx)
 
 
@@ -78,14 +116,30 @@ def test_config_validation_and_heuristic():
     with pytest.raises(ValueError, match="page_size"):
         DecodeConfig(f, f, 128, "bf16", 4, 1, 48, True, False)
     with pytest.raises(ValueError, match="rows"):
-        row_tiles_for(129)
-    assert [row_tiles_for(r) for r in (1, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 4, 4, 8, 8]
+        row_tiles_for(257)
+    with pytest.raises(ValueError, match="rows"):
+        m_blocks_for(0)
+    assert [row_tiles_for(r) for r in (1, 16, 17, 32, 33, 64, 65, 128, 129, 256)] == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert [m_blocks_for(r) for r in (1, 128, 129, 256)] == [1, 1, 2, 2]
+    with pytest.raises(ValueError, match="m_blocks"):
+        DecodeConfig(f, f, 128, "bf16", 4, 4, 64, True, False, m_blocks=2)
+    with pytest.raises(ValueError, match="ring_dtype"):
+        DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, ring_window=64, ring_dtype="f32")
     # many sequences: no split; one long sequence: enough splits to fill the GPU, bounded by the work
     assert num_splits_heuristic(32, 8, 8192, 132) == 1
     assert num_splits_heuristic(1, 8, 131072, 132) == 33
     assert num_splits_heuristic(1, 8, 256, 132) == 1
     cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False)
     assert cfg.key != DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, True).key
+    # every compile-time flag is in the key: m-blocks, ring on/off, W, ring dtype
+    keys = {DecodeConfig(f, f, 128, "bf16", 4, 8, 64, True, False, **kw).key
+            for kw in ({}, {"m_blocks": 2}, {"ring_window": 64}, {"ring_window": 128},
+                       {"ring_window": 64, "ring_dtype": "f16"})}
+    assert len(keys) == 5
+    # mxfp4 floor and rceil caches decode with the same code: one variant
+    fl, rc = kv_format("mxfp4", scale_rule="floor"), kv_format("mxfp4", scale_rule="rceil")
+    assert DecodeConfig(fl, fl, 64, "bf16", 1, 1, 16, True, False).key == \
+        DecodeConfig(rc, rc, 64, "bf16", 1, 1, 16, True, False).key
 
 
 def test_launcher_config_choice(monkeypatch):
@@ -96,16 +150,86 @@ def test_launcher_config_choice(monkeypatch):
 
     nv = PagedKVCache(1, 4, 64, 2, 128, "nvfp4")
     bf = PagedKVCache(1, 4, 64, 2, 128, ("nvfp4", "bf16"))
-    assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).tile_n == 128
-    assert idec.decode_config_for(bf, "bf16", 4, 1, True, False).tile_n == 64
-    monkeypatch.setenv("QATTN_DECODE_WARPS", "8")
-    assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).num_warps == 8
-    assert idec.decode_config_for(bf, "bf16", 4, 1, True, False).num_warps == 4  # 64-token tiles: 4 warps
-    monkeypatch.setenv("QATTN_DECODE_TILE_N", "64")
-    assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).tile_n == 64
-    monkeypatch.setenv("QATTN_DECODE_TILE_N", "96")
-    with pytest.raises(ValueError, match="QATTN_DECODE_TILE_N"):
-        idec.decode_config_for(nv, "bf16", 4, 1, True, False)
-    monkeypatch.delenv("QATTN_DECODE_TILE_N")
-    # the call flash_attn_with_kvcache makes for num_splits=0
-    assert num_splits_heuristic(1, 2, 4 * 64, 132, tile_n=idec._tile_n(bf)) == 1
+    ring = PagedKVCache(1, 4, 64, 2, 128, "nvfp4", recent_window=64, max_seqs=3, dtype=torch.float16)
+    monkeypatch.delenv("QATTN_DECODE_WARPS", raising=False)
+    monkeypatch.delenv("QATTN_DECODE_TILE_N", raising=False)
+    tuning_from_env.cache_clear()
+    try:
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).tile_n == 128
+        assert idec.decode_config_for(bf, "bf16", 4, 1, True, False).tile_n == 64
+        assert idec.decode_config_for(nv, "bf16", 16, 16, True, False).m_blocks == 2
+        rc = idec.decode_config_for(ring, "bf16", 4, 1, True, False)
+        assert (rc.ring_window, rc.ring_dtype, rc.ring_tile_n) == (64, "f16", 64)
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).ring_window == 0
+        # the environment is read once: a later change needs cache_clear()
+        monkeypatch.setenv("QATTN_DECODE_WARPS", "8")
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).num_warps == 4
+        tuning_from_env.cache_clear()
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).num_warps == 8
+        assert idec.decode_config_for(bf, "bf16", 4, 1, True, False).num_warps == 4  # 64-token tiles: 4 warps
+        assert idec.decode_config_for(ring, "bf16", 4, 1, True, False).ring_tile_n == 128  # 8 token groups
+        monkeypatch.setenv("QATTN_DECODE_TILE_N", "64")
+        tuning_from_env.cache_clear()
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).tile_n == 64
+        monkeypatch.setenv("QATTN_DECODE_TILE_N", "96")
+        tuning_from_env.cache_clear()
+        with pytest.raises(ValueError, match="QATTN_DECODE_TILE_N"):
+            idec.decode_config_for(nv, "bf16", 4, 1, True, False)
+        monkeypatch.delenv("QATTN_DECODE_TILE_N")
+        monkeypatch.delenv("QATTN_DECODE_WARPS")
+        tuning_from_env.cache_clear()
+        # the call flash_attn_with_kvcache makes for num_splits=0
+        assert num_splits_heuristic(1, 2, 4 * 64, 132, tile_n=idec._tile_n(bf)) == 1
+    finally:
+        tuning_from_env.cache_clear()
+
+
+def _emulate_schedule(kv_len, W, TN, TR, page, num_splits):
+    """The kernel's tile schedule, written out in Python with the same formulas as ``DecodeSm90.kernel``,
+    ``_load_tile`` and ``_load_ring_tile``: {position: (split, source)} for every unmasked token, source being
+    ("page", block-table column, offset in page) or ("ring", ring row)."""
+    page_len = max(kv_len - W, 0) if W else kv_len
+    n_page = -(-page_len // TN)
+    n_tiles = n_page + (-(-(kv_len - page_len) // TR) if W else 0)
+    per = -(-n_tiles // num_splits)
+    P = min(TN, page)
+    seen = {}
+    for split in range(num_splits):
+        t_begin = split * per
+        t_end = min(t_begin + per, n_tiles)
+        for tile in range(t_begin, t_end):
+            if tile < n_page:
+                for t in range(TN):
+                    p = tile * TN + t
+                    token0 = tile * TN + (t // P) * P  # the piece the token was loaded with
+                    if p < page_len:  # the kernel's mask for page tiles (lims_page, V's kv_len = page_len)
+                        assert token0 < page_len  # its piece was loaded from the real block, not block 0
+                        assert seen.setdefault(p, (split, ("page", token0 // page, token0 % page + t % P))) \
+                            == (split, ("page", token0 // page, token0 % page + t % P)), "position twice"
+            else:
+                for t in range(TR):
+                    p = page_len + (tile - n_page) * TR + t
+                    if p < kv_len:
+                        assert p not in seen, "position twice"
+                        seen[p] = (split, ("ring", p % W))
+    return seen
+
+
+@pytest.mark.parametrize("W", [0, 16, 64, 100, 128])
+@pytest.mark.parametrize("TN,TR", [(64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("page", [16, 64, 128, 256])
+def test_tile_schedule_covers_each_position_once_from_the_reference_source(W, TN, TR, page):
+    for kv_len in (0, 1, 2, 15, 16, 63, 64, 65, 100, 127, 128, 129, 200, 3 * page + 5, 1000):
+        for num_splits in (1, 2, 3, 7, 40):
+            seen = _emulate_schedule(kv_len, W, TN, TR, page, num_splits)
+            assert sorted(seen) == list(range(kv_len))
+            for p, (_, src) in seen.items():
+                # flatten_kv_reference: positions [len - W, len) from ring[slot, :, p % W], older from pages
+                if W and p >= kv_len - W:
+                    assert src == ("ring", p % W)
+                else:
+                    assert src == ("page", p // page, p % page)
+            # ring tiles come last: once a split holds ring tokens, every later split holds only ring tokens
+            ring_splits = [s for s, src in seen.values() if src[0] == "ring"]
+            if ring_splits:
+                assert all(s <= min(ring_splits) for s, src in seen.values() if src[0] == "page")

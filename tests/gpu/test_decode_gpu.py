@@ -1,9 +1,14 @@
 """GPU tests of the SM90 paged decode kernel (``qattn.interface.decode.flash_attn_with_kvcache``).
 
 Oracle: ``paged_decode_reference`` (fp64) over the *same* quantized cache, so the error measured is the kernel's
-alone (rel. error <= 1e-2 for bf16 output). Pools are poisoned (NaN bf16, 0x7F bytes = E4M3 NaN, NaN fp32 scales)
-before the tokens are written, so slots past a sequence's end hold garbage the kernel must mask; the output is
-poisoned with NaN before the call; block tables are random permutations padded with -1.
+alone (rel. error <= 1e-2 for bf16 output). Pools and rings are poisoned (NaN bf16, 0x7F bytes = E4M3 NaN, NaN
+fp32 scales) before the tokens are written, so slots past a sequence's end (and ring entries it never wrote) hold
+garbage the kernel must mask; the output is poisoned with NaN before the call; block tables are random permutations
+padded with -1; ring slots are a permutation of batch rows (seq_slots != arange).
+
+The matrix: every format (and two K/V pairs) x head_dim 64/128 runs CONFIGS, which cover GQA 1/4/8/16, seqlen_q
+1/4/16 (up to 256 query rows: two m-blocks), page sizes 16/64/128, split-KV on (fixed and automatic) and off and
+recent window 0/64, on lengths with partial last pages and lengths below / around the window.
 
 Run as a script for a quick timing: ``python tests/gpu/test_decode_gpu.py --bench``.
 """
@@ -22,13 +27,23 @@ pytestmark = [
 ]
 
 FORMATS = ["bf16", "nvfp4", "mxfp4", "mxfp4_b16", "fp8", "int8", ("int8", "nvfp4"), ("nvfp4", "bf16")]
-# (gqa, seqlen_q, page_size, num_splits): each (format, head_dim) runs all four, so every axis value is covered
-CONFIGS = [(1, 1, 16, 1), (4, 4, 64, 3), (8, 1, 64, 1), (8, 4, 16, 3)]
+# (gqa, seqlen_q, page_size, num_splits, recent_window): each (format, head_dim) runs all of them
+CONFIGS = [
+    (1, 1, 16, 1, 0),
+    (4, 4, 64, 3, 64),
+    (8, 1, 128, 1, 64),
+    (16, 16, 16, 3, 0),  # 256 rows: two m-blocks, split
+    (16, 4, 64, 1, 64),
+    (8, 16, 128, 3, 64),  # 128 rows, split, ring
+    (16, 16, 64, 1, 64),  # 256 rows with the ring
+    (4, 1, 16, 0, 64),  # automatic split count with the ring
+    (8, 4, 16, 3, 0),
+]
 
 
 def _poison(cache, layer=0):
     lay = cache.layer(layer)
-    for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool):
+    for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring):
         if t is None:
             continue
         if t.dtype in (torch.bfloat16, torch.float32, torch.float16):
@@ -43,7 +58,10 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=torch.bfloat16, seed=0, dev=None):
+def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=torch.bfloat16, seed=0, dev=None,
+              window=0, cache_dtype=torch.bfloat16):
+    """A filled cache, q, lengths, block table and (window > 0) seq_slots: batch row b uses ring slot
+    ``max_seqs - 1 - b`` of ``max_seqs = B + 2`` slots, so row and slot differ."""
     from qattn import PagedKVCache, write_kv_reference
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -52,7 +70,10 @@ def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=
     need = [math.ceil(n / page) for n in lens]
     max_blocks = max(need) + 1
     num_blocks = sum(need) + 3
-    cache = PagedKVCache(1, num_blocks, page, num_kv_heads, head_dim, fmt, device=dev)
+    max_seqs = B + 2
+    seq_slots = torch.tensor([max_seqs - 1 - b for b in range(B)], dtype=torch.int32)
+    cache = PagedKVCache(1, num_blocks, page, num_kv_heads, head_dim, fmt, device=dev, dtype=cache_dtype,
+                         recent_window=window, max_seqs=max_seqs if window else 0)
     _poison(cache)
     lay = cache.layer(0)
     for gs in (lay.k_global_scale, lay.v_global_scale):
@@ -60,7 +81,7 @@ def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=
             gs.copy_((torch.rand(num_kv_heads, generator=g) * 0.004 + 0.002).to(dev))
     perm = torch.randperm(num_blocks, generator=g)
     table = torch.full((B, max_blocks), -1, dtype=torch.int32)
-    slots, ks, vs = [], [], []
+    slots, ks, vs, tok_seqs, tok_pos = [], [], [], [], []
     used = 0
     for b, n in enumerate(lens):
         ids = perm[used:used + need[b]]
@@ -68,14 +89,22 @@ def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=
         table[b, :need[b]] = ids.to(torch.int32)
         pos = torch.arange(n)
         slots.append(ids[pos // page] * page + pos % page)
+        tok_seqs.append(torch.full((n,), int(seq_slots[b])))
+        tok_pos.append(pos)
         k = torch.randn(n, num_kv_heads, head_dim, generator=g)
         k[:, :, 3] += 4.0  # an outlier channel, as real keys have
         ks.append(k)
         vs.append(torch.randn(n, num_kv_heads, head_dim, generator=g))
+    ring_kw = {}
+    if window:  # every token goes to its page and to ring[slot, :, pos % W] (the newest position stays)
+        ring_kw = dict(seq_slots=torch.cat(tok_seqs).to(dev), positions=torch.cat(tok_pos).to(dev))
     write_kv_reference(cache, 0, torch.cat(ks).to(dev), torch.cat(vs).to(dev),
-                       torch.cat(slots).to(dev))
+                       torch.cat(slots).to(dev), **ring_kw)
     q = torch.randn(B, seqlen_q, num_kv_heads * gqa, head_dim, generator=g).to(dev, q_dtype)
-    return cache, q, torch.tensor(lens, dtype=torch.int32, device=dev), table.to(dev)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    if window:
+        return cache, q, lens_t, table.to(dev), seq_slots.to(dev)
+    return cache, q, lens_t, table.to(dev)
 
 
 def _check(out, lse, ref_out, ref_lse, tol=1e-2):
@@ -90,26 +119,75 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
     return float(err)
 
 
-def _run(fmt, D, gqa, sq, page, splits, causal=True, q_dtype=torch.bfloat16, lens=None):
+def _run(fmt, D, gqa, sq, page, splits, causal=True, q_dtype=torch.bfloat16, lens=None, window=0,
+         cache_dtype=torch.bfloat16):
     from qattn.interface.decode import flash_attn_with_kvcache
     from qattn.reference import paged_decode_reference
 
-    lens = lens or [3 * page + 5, 2, 129]
-    cache, q, seqlens, table = make_case(fmt, D, gqa, sq, page, lens, q_dtype=q_dtype)
+    lens = lens or ([3 * page + 5, 2, 129, 64] if window else [3 * page + 5, 2, 129])
+    case = make_case(fmt, D, gqa, sq, page, lens, q_dtype=q_dtype, window=window, cache_dtype=cache_dtype)
+    cache, q, seqlens, table = case[:4]
+    seq_slots = case[4] if window else None
     out = torch.full_like(q, float("nan"))
-    got, lse = flash_attn_with_kvcache(q, cache, seqlens, table, causal=causal, num_splits=splits,
-                                       return_lse=True, out=out)
+    got, lse = flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=seq_slots, causal=causal,
+                                       num_splits=splits, return_lse=True, out=out)
     assert got.data_ptr() == out.data_ptr()
-    ref_out, ref_lse = paged_decode_reference(q, cache, seqlens, table, causal=causal, return_lse=True)
+    ref_out, ref_lse = paged_decode_reference(q, cache, seqlens, table, causal=causal, seq_slots=seq_slots,
+                                              return_lse=True)
     return _check(got, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"gqa{c[0]}-sq{c[1]}-p{c[2]}-s{c[3]}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"gqa{c[0]}-sq{c[1]}-p{c[2]}-s{c[3]}-w{c[4]}")
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f if isinstance(f, str) else f"{f[0]}+{f[1]}")
 def test_decode_matches_reference(fmt, D, cfg):
-    gqa, sq, page, splits = cfg
-    _run(fmt, D, gqa, sq, page, splits)
+    gqa, sq, page, splits, window = cfg
+    _run(fmt, D, gqa, sq, page, splits, window=window)
+
+
+# (format, window, cache dtype, q dtype): W below / above the ring tile, W not a power of two, f16 rings, and
+# every pairing of page-tile MMA type (f16 for quantized, bf16 for bf16 pages) with ring MMA type and q dtype
+RING_EDGES = [
+    ("nvfp4", 16, torch.bfloat16, torch.bfloat16),
+    ("nvfp4", 100, torch.float16, torch.bfloat16),
+    ("bf16", 64, torch.float16, torch.float16),
+    (("int8", "nvfp4"), 64, torch.bfloat16, torch.float16),
+    ("fp8", 128, torch.bfloat16, torch.bfloat16),
+    ("mxfp4", 200, torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", RING_EDGES, ids=lambda c: f"{c[0] if isinstance(c[0], str) else '+'.join(c[0])}"
+                         f"-w{c[1]}-{str(c[2])[6:]}-q{str(c[3])[6:]}")
+@pytest.mark.parametrize("splits", [1, 4, 0])
+def test_decode_ring_edges(case, splits):
+    """Lengths below, at and just past the window (all-ring sequences, one page token), more splits than tiles,
+    causal and not."""
+    fmt, window, cache_dtype, q_dtype = case
+    lens = [1, window - 1, window, window + 1, 2 * window + 3, 300]
+    _run(fmt, 128, 4, 1, 16, splits, q_dtype=q_dtype, lens=lens, window=window, cache_dtype=cache_dtype)
+    _run(fmt, 64, 8, 3, 64, splits, causal=False, q_dtype=q_dtype, lens=lens, window=window,
+         cache_dtype=cache_dtype)
+
+
+def test_decode_ring_with_eight_warps(monkeypatch):
+    """QATTN_DECODE_WARPS=8 (tuning): 8 token groups, so 128-token ring tiles."""
+    from qattn.cute_kernels.sm90.decode_config import tuning_from_env
+
+    monkeypatch.setenv("QATTN_DECODE_WARPS", "8")
+    tuning_from_env.cache_clear()
+    try:
+        _run("nvfp4", 128, 4, 1, 16, 1, window=64)
+        _run("nvfp4", 128, 4, 1, 64, 3, window=128, lens=[1, 127, 128, 129, 500])
+    finally:
+        monkeypatch.delenv("QATTN_DECODE_WARPS")
+        tuning_from_env.cache_clear()
+
+
+def test_decode_two_m_blocks_partial():
+    """144 and 208 rows: the second m-block is partly padding."""
+    _run("nvfp4", 128, 16, 9, 16, 1)
+    _run("int8", 64, 16, 13, 64, 3, window=64)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
@@ -132,6 +210,20 @@ def test_decode_rejects_bad_args():
         flash_attn_with_kvcache(q[:, :, :3], cache, seqlens, table)
     with pytest.raises(ValueError, match="seqlen_q"):
         flash_attn_with_kvcache(q.expand(2, 17, -1, -1).contiguous(), cache, seqlens, table)
+    with pytest.raises(ValueError, match="256"):  # 16 x 32 = 512 query rows per kv head
+        flash_attn_with_kvcache(q.repeat(1, 16, 8, 1), cache, seqlens, table)
+    with pytest.raises(ValueError, match="seq_slots"):  # no ring in this cache
+        flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=seqlens)
+
+    rcache, rq, rlens, rtable, slots = make_case("nvfp4", 64, 4, 1, 16, [20, 3], window=16)
+    with pytest.raises(ValueError, match="seq_slots"):  # ring cache without seq_slots
+        flash_attn_with_kvcache(rq, rcache, rlens, rtable)
+    with pytest.raises(TypeError, match="seq_slots"):
+        flash_attn_with_kvcache(rq, rcache, rlens, rtable, seq_slots=slots.long())
+    with pytest.raises(ValueError, match="seq_slots"):
+        flash_attn_with_kvcache(rq, rcache, rlens, rtable, seq_slots=slots[:1])
+    with pytest.raises(ValueError, match="seq_slots"):
+        flash_attn_with_kvcache(rq, rcache, rlens, rtable, seq_slots=slots.cpu())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,3 +43,46 @@ def test_compiled_decode_step_matches_eager(fmt):
             a, b = getattr(caches[0].layer(0), name), getattr(caches[1].layer(0), name)
             assert torch.equal(a, b), name
         lens += 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_ring_decode_step_matches_eager():
+    """The same with a recent-token window: seq_slots reach the decode op, the rings are read in the launch."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    B, H, Hk, D, P, nb, W = 3, 16, 4, 128, 16, 8, 32
+    caches = [qattn.PagedKVCache(1, B * nb, P, Hk, D, "nvfp4", device=dev, recent_window=W, max_seqs=B + 2)
+              for _ in range(2)]
+    table = torch.randperm(B * nb, device=dev, generator=g).view(B, nb).to(torch.int32)
+    lens = torch.tensor([20, 77, 5], dtype=torch.int32, device=dev)
+    ring_slots = torch.tensor([4, 0, 2], dtype=torch.int64, device=dev)
+    for b in range(B):
+        pos = torch.arange(int(lens[b]), device=dev)
+        k = torch.randn(len(pos), Hk, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for c in caches:
+            qattn.write_kv(c, 0, k, v, table[b, pos // P].long() * P + pos % P,
+                           seq_slots=ring_slots[b].repeat(len(pos)), positions=pos)
+
+    def step(cache, q, k, v, slots, tok_seqs, positions, seqs, lens, table):
+        qattn.write_kv(cache, 0, k, v, slots, seq_slots=tok_seqs, positions=positions)
+        return qattn.flash_attn_with_kvcache(q, cache, lens + 1, table, seq_slots=seqs)
+
+    compiled = torch.compile(step, fullgraph=True)
+    seqs = ring_slots.to(torch.int32)
+    for _ in range(3):
+        q = torch.randn(B, 1, H, D, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(B, Hk, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        slots = table.long().gather(1, (lens.long() // P)[:, None])[:, 0] * P + lens.long() % P
+        args = (q, k, v, slots, ring_slots, lens.long(), seqs, lens, table)
+        eager = step(caches[0], *args)
+        comp = compiled(caches[1], *args)
+        torch.cuda.synchronize()
+        assert torch.equal(comp, eager)
+        ref = qattn.reference.paged_decode_reference(q, caches[0], lens + 1, table, seq_slots=seqs)
+        assert ((eager.double() - ref).norm() / ref.norm()) <= 1e-2
+        for name in ("k_data", "v_data", "k_ring", "v_ring"):
+            a, b = getattr(caches[0].layer(0), name), getattr(caches[1].layer(0), name)
+            assert torch.equal(a, b), name
+        lens += 1

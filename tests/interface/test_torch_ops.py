@@ -4,6 +4,7 @@ On the CPU this checks tracing only (the backend records the graph and never run
 in tests/gpu/test_torch_compile_gpu.py runs the compiled step.
 """
 
+import pytest
 import torch
 
 import qattn
@@ -58,3 +59,74 @@ def test_fake_shapes():
                                                 "nvfp4", "nvfp4", 16, 0.125, True, 0)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
+
+
+def test_ring_decode_step_traces_with_seq_slots():
+    """A cache with a recent-token window: seq_slots reach the decode op (with the rings) in the traced graph."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4", recent_window=32, max_seqs=4)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 64, dtype=torch.bfloat16)
+    slots, pos = torch.tensor([3, 40]), torch.tensor([3, 8])
+    tok_seqs = torch.tensor([2, 0])  # write_kv: int64 per token
+    seqs = tok_seqs.to(torch.int32)  # decode: int32 per batch row
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [2, 4, 5]], dtype=torch.int32)
+
+    def step(q, k, v, slots, tok_seqs, pos, seqs, lens, table):
+        qattn.write_kv(cache, 0, k, v, slots, seq_slots=tok_seqs, positions=pos)
+        return qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=record)
+    compiled(q, k, k.clone(), slots, tok_seqs, pos, seqs, lens, table)
+    assert len(graphs) == 1
+    dec = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "qattn.paged_decode" in str(n.target)]
+    assert len(dec) == 1
+    args = list(dec[0].args) + list(dec[0].kwargs.values())
+    assert sum(1 for a in args if isinstance(a, torch.fx.Node)) >= 9 + 3  # q, pools, scales, lens, table + rings, slots
+
+
+def test_fake_shapes_with_ring():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 32, 128, dtype=torch.bfloat16)
+        pools = [torch.empty(4, 2, 16, 64, dtype=torch.uint8) for _ in range(2)]
+        scales = [torch.empty(4, 2, 16, 8, dtype=torch.uint8) for _ in range(2)]
+        gs = [torch.empty(2) for _ in range(2)]
+        rings = [torch.empty(5, 2, 64, 128, dtype=torch.bfloat16) for _ in range(2)]
+        out, lse = torch.ops.qattn.paged_decode(q, pools[0], pools[1], scales[0], scales[1], gs[0], gs[1],
+                                                torch.empty(3, dtype=torch.int32), torch.empty(3, 5, dtype=torch.int32),
+                                                "nvfp4", "nvfp4", 16, 0.125, True, 0, rings[0], rings[1],
+                                                torch.empty(3, dtype=torch.int32))
+        assert out.shape == q.shape and lse.shape == (3, 32, 4)
+
+
+def test_seq_slots_validation_on_host():
+    from qattn.interface.decode import _check_seq_slots
+
+    ring = qattn.PagedKVCache(1, 4, 16, 2, 64, "nvfp4", recent_window=16, max_seqs=3)
+    plain = qattn.PagedKVCache(1, 4, 16, 2, 64, "nvfp4")
+    dev = torch.device("cpu")
+    ok = torch.tensor([2, 0], dtype=torch.int32)
+    _check_seq_slots(ring, ok, 2, dev)
+    _check_seq_slots(plain, None, 2, dev)
+    with pytest.raises(ValueError, match="seq_slots: the cache keeps"):
+        _check_seq_slots(ring, None, 2, dev)
+    with pytest.raises(ValueError, match="seq_slots: the cache has no recent-token window"):
+        _check_seq_slots(plain, ok, 2, dev)
+    with pytest.raises(TypeError, match="seq_slots"):
+        _check_seq_slots(ring, ok.long(), 2, dev)
+    with pytest.raises(ValueError, match=r"seq_slots: expected shape \(3,\)"):
+        _check_seq_slots(ring, ok, 3, dev)
+    with pytest.raises(ValueError, match="seq_slots: expected a contiguous"):
+        _check_seq_slots(ring, torch.zeros(4, dtype=torch.int32)[::2], 2, dev)
+    with pytest.raises(TypeError, match="seq_slots"):
+        _check_seq_slots(ring, [2, 0], 2, dev)

@@ -62,3 +62,72 @@ def test_failing_variant_exits_nonzero(tmp_path, monkeypatch, capsys):
         assert "failed" in out and "ptxas exploded" in out
     finally:
         variants._ENUMERATORS.pop("broken_test_kind")
+
+
+# --------------------------------------------------------------------------------------------------
+# decode and combine: the warmed variants are the ones the launcher asks for
+# --------------------------------------------------------------------------------------------------
+def test_decode_and_combine_listed(capsys):
+    assert "decode" in variants.kinds() and "combine" in variants.kinds()
+    assert warmup.main(["--arch", "sm_90a", "--list", "--kernels", "decode,combine"]) == 0
+    out = capsys.readouterr().out
+    # defaults: 6 formats x 2 head_dims x gqa {1,4,8} x pages {16,64,128} x split on/off; combine: 2 head_dims
+    assert "decode" in out and "combine" in out and f"{6 * 2 * 3 * 3 * 2 + 2} variants" in out
+    assert "nvfp4 D128 gqa8 page16 sq1 split" in out and "D128 out bf16" in out
+    # the decode kernel is SM90 only: nothing to warm for sm_100a
+    assert warmup.main(["--arch", "sm_100a", "--dry-run", "--kernels", "decode,combine"]) == 0
+    assert "0 variants" in capsys.readouterr().out
+
+
+def test_decode_dry_run_filters(capsys):
+    args = ["--arch", "sm_90a", "--dry-run", "--kernels", "decode,combine", "--kv-formats", "nvfp4,int8+nvfp4",
+            "--head-dims", "64,128", "--gqa", "4,16", "--page-sizes", "16", "--seqlen-q", "1,16",
+            "--recent-windows", "0,64", "--q-dtypes", "bf16,f16"]
+    assert warmup.main(args) == 0
+    out = capsys.readouterr().out
+    # 2 formats x 2 D x 2 gqa x 1 page x 2 seqlen_q x 2 windows x 2 q dtypes x 2 (split); combine 2 D x 2 dtypes
+    assert f"{2 * 2 * 2 * 2 * 2 * 2 * 2 + 4} variants" in out
+    assert "int8+nvfp4 D128 gqa16 page16 sq16 W64 f16 split" in out
+
+
+@pytest.mark.parametrize("fmt,window,dtype", [("nvfp4", 0, "bf16"), (("int8", "nvfp4"), 64, "bf16"),
+                                              ("bf16", 64, "f16"), ("mxfp4", 0, "f16")])
+def test_warmed_keys_equal_runtime_keys(monkeypatch, fmt, window, dtype):
+    """The keys ``flash_attn_with_kvcache`` looks up (through its real ``_kernels``, with the compile step
+    replaced by a recorder) are among the keys ``qattn-warmup`` compiles for the same filters."""
+    import torch
+
+    from qattn import PagedKVCache
+    from qattn.interface import decode as idec
+
+    asked = []
+    monkeypatch.setattr(idec, "_get", lambda kind, key, build, args: asked.append((kind, key)) or key)
+    monkeypatch.setattr(idec, "_KERNELS", {})
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    name = fmt if isinstance(fmt, str) else "+".join(fmt)
+    for D in (64, 128):
+        for page in (16, 128):
+            cache = PagedKVCache(1, 4, page, 2, D, fmt, recent_window=window, max_seqs=2 if window else 0,
+                                 dtype=tdt)
+            for group, sq in ((1, 1), (8, 4), (16, 16)):
+                for split in (False, True):
+                    idec._kernels("sm_90a", cache, dtype, group, sq, True, split)
+    warm = set()
+    for kind in ("decode", "combine"):
+        warm |= {(kind, v.key) for v in variants.enumerate_variants(
+            kind, "sm_90a", kv_formats=[name], head_dims=[64, 128], gqa=[1, 8, 16], page_sizes=[16, 128],
+            seqlen_q=[1, 4, 16], recent_windows=[window], q_dtypes=[dtype])}
+    assert asked and {k for k, _ in asked} == {"decode", "combine"}
+    missing = [k for k in asked if k not in warm]
+    assert not missing, missing
+
+
+def test_cli_compiles_decode_and_combine_on_cpu(tmp_path):
+    args = ["--arch", "sm_90a", "--kernels", "decode,combine", "--kv-formats", "nvfp4", "--head-dims", "64",
+            "--gqa", "4", "--page-sizes", "16", "--recent-windows", "64"]
+    first = run_cli(*args, cache_dir=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "3 variants, 0 failed" in first.stdout  # decode with and without split, one combine
+    rows = [ln for ln in first.stdout.splitlines() if ln.startswith("sm_90a")]
+    assert len(rows) == 3 and all(" new " in ln for ln in rows)
+    assert len(list((tmp_path).rglob("decode/*.o"))) == 2 and len(list(tmp_path.rglob("combine/*.o"))) == 1

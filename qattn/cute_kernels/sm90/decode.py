@@ -1,7 +1,8 @@
 """SM90 paged decode attention that reads the quantized KV cache directly (issue 3, v0).
 
-One CTA = one (split, kv head, sequence). All query rows of the kv head are packed into the MMA M dimension
-(row r = i_q * group + h_in_group), so one pass over K/V serves the whole GQA group and every query token.
+One CTA = one (split, kv head, m-block, sequence). The query rows of the kv head are packed into the MMA M
+dimension (row r = i_q * group + h_in_group), so one pass over K/V serves the whole GQA group and every query
+token; above 128 rows (up to 256: seqlen_q 16 x GQA 16) two m-blocks of 128 rows each read the same K/V.
 
 Data path (no flatten-to-bf16 pass anywhere):
 
@@ -35,9 +36,17 @@ Data path (no flatten-to-bf16 pass anywhere):
   Warps of one row tile that split the tokens of each tile merge their (m, l, O) in smem at the end.
 * Split-KV: split s of ``num_splits`` (grid x) takes a contiguous range of whole tiles and writes its normalized
   fp32 partial O and natural-log LSE; ``combine.py`` merges them. num_splits = 1 writes the output directly.
+* Recent-token window (``cfg.ring_window`` = W > 0): positions [max(0, len - W), len) of a sequence are read from
+  ``ring[seq_slots[b], h, p % W]`` (bf16 / f16 rows, exactly what ``flatten_kv_reference`` overlays) and only
+  positions below len - W from the pages. The tile list of a CTA is "page tiles, then ring tiles"
+  (``ring_tile_n`` tokens each, loaded row by row with cp.async because p % W wraps), and splits cut that list
+  into contiguous ranges as before: the ring tiles fall into the last split(s). Ring tiles run the bf16 code
+  path with their own MMA type; the page-only scales stay out of them: the K global scale is folded into the
+  page tiles' softmax scale only, and the V global scale, applied at the end for page-only CTAs, is instead
+  multiplied into the accumulator at a CTA's first ring tile (and the epilogue then applies none).
 
-Known v0 limits (documented, checked by the launcher where they matter):
-* rows = seqlen_q * group <= 128; head_dim 64 / 128.
+Known limits (documented, checked by the launcher where they matter):
+* rows = seqlen_q * group <= 256; head_dim 64 / 128.
 * MX (UE8M0) scales are applied in f16: exact for scale exponents in [-24, 13] (block amax ~ 2^-22 .. 2^16);
   outside that range values lose precision. fp8/int8 V scales go into P in f16 (subnormal below ~6e-5).
 * Block ids are clamped to [0, num_blocks) in the kernel (memory safety); validating them needs a host sync and is
@@ -63,10 +72,11 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from qattn.cute_kernels.common import fp4
-from qattn.cute_kernels.sm90.decode_config import DecodeConfig
-from qattn.layouts.formats import KVFormat
+from qattn.cute_kernels.sm90.decode_config import HEAD_DIMS, DecodeConfig, choose_config
+from qattn.interface.variants import Variant, register
+from qattn.layouts.formats import FORMAT_NAMES, KVFormat, kv_format
 
-__all__ = ["DecodeSm90", "FmtInfo"]
+__all__ = ["DecodeSm90", "FmtInfo", "decode_cache_key", "decode_compile_args"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -199,12 +209,13 @@ class DecodeSm90:
     """Paged decode attention over a quantized cache, SM90, one compiled variant per :class:`DecodeConfig`.
 
     ``__call__`` (host, ``@cute.jit``) takes raw device addresses (Int64) of every tensor, the runtime sizes and
-    a CUDA stream, and launches ``kernel`` on grid (num_splits, num_kv_heads, batch).
+    a CUDA stream, and launches ``kernel`` on grid (num_splits, num_kv_heads * m_blocks, batch).
 
     Tensors (all contiguous):
         q          (B, Sq, Hq, D) bf16 / f16
         k/v data   (num_blocks, H, page, row_elems), k/v scales (num_blocks, H, page[, nscales]), global (H,) fp32
         block_table (B, max_blocks) int32, cache_seqlens (B,) int32
+        k/v ring   (max_seqs, H, W, D) bf16 / f16, seq_slots (B,) int32     (ring variants only; else unused)
         out        (B, Sq, Hq, D) q dtype        | split: out_partial (num_splits, B, Sq, Hq, D) fp32
         lse        (B, Hq, Sq) fp32              | split: lse_partial (num_splits, B, Hq, Sq) fp32
     """
@@ -217,13 +228,26 @@ class DecodeSm90:
         self.q_bf16 = cfg.q_dtype == "bf16"
         self.out_dtype = cutlass.BFloat16 if self.q_bf16 else cutlass.Float16
         self.T = cfg.num_threads
-        self.tpw = cfg.tile_n // cfg.token_groups  # tokens of a tile one warp handles
-        self.nchunks = self.tpw // 16
-        # smem: raw stage buffers (Uint32 vectors of 16 B) + the epilogue's merge buffers
-        self.vec = {}
+        self.ring = cfg.ring_window > 0
+        # ring rows are plain 16-bit rows: the "bf16" code path, with the ring's own MMA type
+        self.r = FmtInfo(kv_format("bf16"), self.D)
+        self.r.bf16 = cfg.ring_dtype == "bf16"
+        # smem: raw stage buffers (Uint32 vectors of 16 B) + the epilogue's merge buffers. Page buffers
+        # (kd, ks, vd, vs) and ring buffers (rkd, rvd) are a union within a stage: a stage holds one tile.
+        self.vec, self.vec_off = {}, {}
+        off = 0
         for name, rb in (("kd", self.k.rb), ("ks", self.k.srb), ("vd", self.v.rb), ("vs", self.v.srb)):
             self.vec[name] = cfg.tile_n * rb // 16  # 16-byte vectors per stage (0: no such buffer)
-        nbytes = sum(16 * n * cfg.stages for n in self.vec.values())
+            self.vec_off[name] = off
+            off += self.vec[name]
+        page_vecs, off = off, 0
+        if self.ring:
+            for name in ("rkd", "rvd"):
+                self.vec[name] = cfg.ring_tile_n * self.r.rb // 16
+                self.vec_off[name] = off
+                off += self.vec[name]
+        self.stage_vecs = max(page_vecs, off)
+        nbytes = 16 * self.stage_vecs * cfg.stages
         nbytes += 4 * cfg.num_warps * 16 * self.D + 2 * 4 * cfg.num_warps * 16
         self.smem_bytes = nbytes + 16 * 8  # alignment slack
 
@@ -234,14 +258,16 @@ class DecodeSm90:
         q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
         vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, scale_log2: Float32,
+        num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
         stream: cuda.CUstream,
     ):
         self.kernel(q_addr, kd_addr, ks_addr, kg_addr, vd_addr, vs_addr, vg_addr, bt_addr, sl_addr, o_addr,
-                    lse_addr, batch, seqlen_q, num_kv_heads, max_blocks, num_blocks, num_splits,
-                    scale_log2).launch(grid=(num_splits, num_kv_heads, batch), block=(self.T, 1, 1),
-                                       smem=self.smem_bytes, stream=stream)
+                    lse_addr, rk_addr, rv_addr, ss_addr, batch, seqlen_q, num_kv_heads, max_blocks, num_blocks,
+                    num_splits, max_seqs, scale_log2).launch(
+                        grid=(num_splits, num_kv_heads * self.cfg.m_blocks, batch), block=(self.T, 1, 1),
+                        smem=self.smem_bytes, stream=stream)
 
     # ----------------------------------------------------------------------------------------------
     @cute.kernel
@@ -250,13 +276,17 @@ class DecodeSm90:
         q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
         vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, scale_log2: Float32,
+        num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
     ):
         cfg = self.cfg
         D, G, MT, TG, TN = self.D, cfg.group, cfg.row_tiles, cfg.token_groups, cfg.tile_n
+        TR, W = cfg.ring_tile_n, cfg.ring_window
         tidx, _, _ = cute.arch.thread_idx()
-        split, h, b = cute.arch.block_idx()
+        split, hm, b = cute.arch.block_idx()
+        h = hm // cfg.m_blocks
+        row0 = (hm % cfg.m_blocks) * (MT * 16)  # first packed row of this m-block
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -277,12 +307,14 @@ class DecodeSm90:
         # ---- shared memory -------------------------------------------------------------------------------
         smem = cutlass.memory.SmemAllocator()
         S = cfg.stages
+        SV = self.stage_vecs
+        stage_buf = smem.allocate_tensor(Uint32, cute.make_layout((4, SV, S), stride=(1, 4, 4 * SV)),
+                                         byte_alignment=16)
         bufs = {}
-        for name in ("kd", "ks", "vd", "vs"):
-            n = self.vec[name]
-            if cutlass.const_expr(n > 0):
-                bufs[name] = smem.allocate_tensor(
-                    Uint32, cute.make_layout((4, n, S), stride=(1, 4, 4 * n)), byte_alignment=16)
+        for name, n in self.vec.items():
+            if cutlass.const_expr(n > 0):  # a 16-byte aligned slice of every stage
+                bufs[name] = cute.make_tensor(stage_buf.iterator + 4 * self.vec_off[name],
+                                              cute.make_layout((4, n, S), stride=(1, 4, 4 * SV)))
         sO = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16 * D), byte_alignment=16)
         sM = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
         sL = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
@@ -291,14 +323,26 @@ class DecodeSm90:
         for name, n in self.vec.items():
             if cutlass.const_expr(n > 0):
                 base_ptr = bufs[name].iterator
-                views[name + "_w"] = cute.make_tensor(base_ptr, cute.make_layout((4 * n, S), stride=(1, 4 * n)))
+                views[name + "_w"] = cute.make_tensor(base_ptr, cute.make_layout((4 * n, S), stride=(1, 4 * SV)))
                 views[name + "_b"] = cute.make_tensor(cute.recast_ptr(base_ptr, dtype=Uint8),
-                                                      cute.make_layout((16 * n, S), stride=(1, 16 * n)))
+                                                      cute.make_layout((16 * n, S), stride=(1, 16 * SV)))
                 views[name + "_f"] = cute.make_tensor(cute.recast_ptr(base_ptr, dtype=Float32),
-                                                      cute.make_layout((4 * n, S), stride=(1, 4 * n)))
+                                                      cute.make_layout((4 * n, S), stride=(1, 4 * SV)))
 
-        # ---- this split's tiles --------------------------------------------------------------------------
+        # ---- this split's tiles: page tiles [0, n_page) cover positions [0, page_len); with a ring, ring tiles
+        # [n_page, n_tiles) cover [page_len, kv_len), TR tokens each ------------------------------------------
+        page_len = kv_len
         n_tiles = (kv_len + (TN - 1)) // TN
+        n_page = n_tiles
+        slot = Int32(0)
+        if cutlass.const_expr(self.ring):
+            page_len = _sel(kv_len > W, kv_len - W, 0, Int32)
+            n_page = (page_len + (TN - 1)) // TN
+            n_tiles = n_page + (kv_len - page_len + (TR - 1)) // TR
+            mSS = cute.make_tensor(cute.make_ptr(Int32, ss_addr, gmem, assumed_align=4), cute.make_layout(batch))
+            slot = mSS[b]  # clamped into the ring (memory safety; the launcher cannot read device values)
+            slot = _sel(slot < max_seqs, slot, max_seqs - 1, Int32)
+            slot = _sel(slot > 0, slot, 0, Int32)
         per = (n_tiles + num_splits - 1) // num_splits
         t_begin = split * per
         t_end = _sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
@@ -315,26 +359,29 @@ class DecodeSm90:
             mVG = cute.make_tensor(cute.make_ptr(Float32, vg_addr, gmem, assumed_align=4),
                                    cute.make_layout(num_kv_heads))
             vg = mVG[h]
+        # ring tiles are not scaled by vg: a CTA that reaches one multiplies its accumulator by vg there
+        # (first_ring: its first ring tile), and its epilogue scales by 1
+        first_ring = _sel(t_begin > n_page, t_begin, n_page, Int32)
+        vg_out = vg
+        if cutlass.const_expr(self.ring and self.v.has_global):
+            vg_out = _sel(t_end > n_page, Float32(1.0), vg, Float32)
 
         # ---- Q fragments (once): A operand of QK^T, in the dim permutation the K fragments use ----------
         nk = D // 16
         rQ = cute.make_rmem_tensor((4 * nk,), Uint32)
-        for i in cutlass.range_constexpr(4 * nk):
-            rQ[i] = Uint32(0)
         lims = []
+        lims_page = []
         for hr in cutlass.range_constexpr(2):
-            r = mt * 16 + g + 8 * hr
+            r = row0 + mt * 16 + g + 8 * hr
             i_q = r // G
             # causal: query i sees keys j <= i + kv_len - Sq (FlashAttention's end-aligned mask)
             lim = kv_len - 1
             if cutlass.const_expr(cfg.causal):
                 lim = kv_len - seqlen_q + i_q
-            lims.append(_sel(lim < kv_len - 1, lim, kv_len - 1, Int32))  # padding rows: never past the end
-            if r < rows:
-                base = ((b * seqlen_q + i_q) * Hq + h * G + r % G) * (D // 2) + q4 * (D // 8)
-                for j in cutlass.range_constexpr(nk):
-                    rQ[4 * j + hr] = self._q_word(mQ[base + 2 * j])
-                    rQ[4 * j + 2 + hr] = self._q_word(mQ[base + 2 * j + 1])
+            lim = _sel(lim < kv_len - 1, lim, kv_len - 1, Int32)  # padding rows: never past the end
+            lims.append(lim)
+            lims_page.append(_sel(lim < page_len - 1, lim, page_len - 1, Int32))  # ring positions: not from pages
+        self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16)
 
         # ---- running softmax state ------------------------------------------------------------------------
         nn = D // 8
@@ -351,14 +398,39 @@ class DecodeSm90:
         # (classic cp.async double buffering: the copy of the next tile overlaps the math of this one)
         for it in cutlass.range(n_my + 1, unroll=1):
             if it < n_my:
-                self._load_tile(bufs, t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks, num_blocks,
-                                num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+                if cutlass.const_expr(self.ring):
+                    if t_begin + it < n_page:
+                        self._load_tile(bufs, t_begin + it, it % S, page_len, b, h, tidx, mBT, max_blocks,
+                                        num_blocks, num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+                    else:
+                        self._load_ring_tile(bufs, t_begin + it - n_page, it % S, page_len, slot, h, tidx,
+                                             num_kv_heads, rk_addr, rv_addr)
+                else:
+                    self._load_tile(bufs, t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks, num_blocks,
+                                    num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
             cute.arch.cp_async_commit_group()
             if it >= 1:
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it-1 have landed ...
                 cute.arch.sync_threads()  # ... and everyone else's
-                self._compute_tile(views, (it - 1) % S, t_begin + it - 1, kv_len, lims, g, q4, tg, rQ, rO, rM,
-                                   rL, sl2)
+                tile = t_begin + it - 1
+                if cutlass.const_expr(self.ring):
+                    if tile < n_page:
+                        self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S, tile * TN,
+                                           page_len, lims_page, g, q4, tg, rQ, rO, rM, rL, sl2, None)
+                    else:
+                        if cutlass.const_expr(self.r.bf16 != self.k.bf16):
+                            if tile == first_ring:  # Q in the ring tiles' MMA type from here on
+                                self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4,
+                                             self.r.bf16)
+                        o_scale = None
+                        if cutlass.const_expr(self.v.has_global):
+                            o_scale = _sel(tile == first_ring, vg, Float32(1.0), Float32)
+                        self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
+                                           page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
+                                           rM, rL, scale_log2, o_scale)
+                else:
+                    self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S, tile * TN, kv_len,
+                                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, None)
                 cute.arch.sync_threads()  # the stage may be overwritten by the next iteration's loads
         cute.arch.cp_async_wait_group(0)
 
@@ -381,10 +453,11 @@ class DecodeSm90:
         total = MT * 16 * D
         for k in cutlass.range(total // self.T, unroll=1):
             i = tidx + k * self.T
-            row_c = i // D
+            row_l = i // D  # row within this m-block
+            row_c = row0 + row_l
             d = i % D
-            mt_ = row_c // 16
-            rr = row_c % 16
+            mt_ = row_l // 16
+            rr = row_l % 16
             M = Float32(-math.inf)
             for t in cutlass.range_constexpr(TG):
                 M = _fmax(M, sM[(t * MT + mt_) * 16 + rr])
@@ -397,7 +470,7 @@ class DecodeSm90:
                 L = L + sL[w * 16 + rr] * f
                 O = O + sO[(w * 16 + rr) * D + d] * f
             has = L > Float32(0.0)
-            O = O * _sel(has, vg / L, Float32(0.0), Float32)
+            O = O * _sel(has, vg_out / L, Float32(0.0), Float32)
             lse = _sel(has, (M_use + lg2_approx(L)) * Float32(_LN2), Float32(-math.inf), Float32)
             if row_c < rows:
                 i_q = row_c // G
@@ -422,15 +495,29 @@ class DecodeSm90:
     # ==============================================================================================
     # Device helpers (straight-line code, traced inline)
     # ==============================================================================================
-    def _q_word(self, w):
-        """A q word (two q-dtype halves) in the QK MMA's operand type."""
-        if cutlass.const_expr(self.k.bf16 == self.q_bf16):
+    def _q_word(self, w, to_bf16: bool):
+        """A q word (two q-dtype halves) in a QK MMA operand type (bf16 if ``to_bf16`` else f16)."""
+        if cutlass.const_expr(to_bf16 == self.q_bf16):
             return Uint32(w)
         if cutlass.const_expr(self.q_bf16):
             lo, hi = bf16x2_to_f32x2(w)
         else:
             lo, hi = fp4.f16x2_to_f32x2(w)
-        return pack_f32x2(lo, hi, self.k.bf16)
+        return pack_f32x2(lo, hi, to_bf16)
+
+    def _load_q(self, rQ, mQ, b, h, r_lo, rows, seqlen_q, Hq, q4, to_bf16: bool):
+        """Q fragments (A operand of QK^T) of rows ``r_lo`` and ``r_lo + 8``, in the dim permutation the K
+        fragments use; rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of
+        bounds)."""
+        D, G = self.D, self.cfg.group
+        for hr in range(2):
+            r = r_lo + 8 * hr
+            ok = r < rows
+            r_use = _sel(ok, r, 0, Int32)
+            base = ((b * seqlen_q + r_use // G) * Hq + h * G + r_use % G) * (D // 2) + q4 * (D // 8)
+            for j in range(D // 16):
+                rQ[4 * j + hr] = _sel(ok, self._q_word(mQ[base + 2 * j], to_bf16), Uint32(0), Uint32)
+                rQ[4 * j + 2 + hr] = _sel(ok, self._q_word(mQ[base + 2 * j + 1], to_bf16), Uint32(0), Uint32)
 
     def _load_tile(self, bufs, tile, stage, kv_len, b, h, tidx, mBT, max_blocks, num_blocks, num_kv_heads,
                    kd_addr, ks_addr, vd_addr, vs_addr):
@@ -466,6 +553,31 @@ class DecodeSm90:
                 blk = _sel(blk > 0, blk, 0, Int32)
                 row = (Int64(blk) * Int64(num_kv_heads) + Int64(h)) * Int64(page) + Int64(token0 % page)
                 src_addr = addr + row * Int64(rb) + Int64(within * 16)
+                src = cute.make_tensor(cute.make_ptr(Uint32, src_addr, gmem, assumed_align=16), cute.make_layout(4))
+                cute.copy(atom, src, bufs[name][None, v, stage])
+
+    def _load_ring_tile(self, bufs, rtile, stage, page_len, slot, h, tidx, num_kv_heads, rk_addr, rv_addr):
+        """Issue the cp.async copies of ring tile ``rtile`` (positions page_len + rtile * TR + t) into ``stage``.
+
+        Token p lives at ring row (slot * H + h) * W + p % W: rows are contiguous only until the ring wraps, so
+        every 16-byte vector is addressed per token. Positions past the sequence end read some other ring row
+        of the same sequence (always in bounds); the math masks them.
+        """
+        cfg = self.cfg
+        TR, W, rb = cfg.ring_tile_n, cfg.ring_window, self.r.rb
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint32,
+                                   num_bits_per_copy=128)
+        gmem = cute.AddressSpace.gmem
+        vpr = rb // 16  # vectors per token row
+        for name, addr in (("rkd", rk_addr), ("rvd", rv_addr)):
+            nv = self.vec[name]
+            for k in range((nv + self.T - 1) // self.T):
+                v = tidx + k * self.T
+                if (k + 1) * self.T > nv:  # ragged last round: duplicate the last vector
+                    v = _sel(v < nv, v, nv - 1, Int32)
+                p = page_len + rtile * TR + v // vpr
+                row = (Int64(slot) * Int64(num_kv_heads) + Int64(h)) * Int64(W) + Int64(p % W)
+                src_addr = addr + row * Int64(rb) + Int64((v % vpr) * 16)
                 src = cute.make_tensor(cute.make_ptr(Uint32, src_addr, gmem, assumed_align=16), cute.make_layout(4))
                 cute.copy(atom, src, bufs[name][None, v, stage])
 
@@ -506,22 +618,25 @@ class DecodeSm90:
                     words.append(fp4.f16x2_mul(hh, s2))
         return words
 
-    def _compute_tile(self, views, stage, tile, kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2):
-        """One warp's share of one tile: S = Q K^T, online softmax, O += P V."""
-        D, TN = self.D, self.cfg.tile_n
-        kf, vf = self.k, self.v
+    def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
+                      lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale):
+        """One warp's share of one tile of ``TN`` tokens at positions ``pos0 + t``: S = Q K^T, online softmax,
+        O += P V. Tokens at positions >= ``kv_len`` or past a row's ``lims`` are masked. ``o_scale`` (or None)
+        multiplies the accumulator before this tile's P V is added."""
+        D = self.D
         nk, nn = D // 16, D // 8
         neg_inf = Float32(-math.inf)
-        t_base = tg * self.tpw
-        pos0 = tile * TN
+        tpw = TN // self.cfg.token_groups  # tokens of a tile one warp handles
+        nchunks = tpw // 16
+        t_base = tg * tpw
 
         # ---- S = Q K^T (scaled to the log2 domain, masked) ----
         S = []
-        for c in range(self.nchunks):
+        for c in range(nchunks):
             Sc = []
             for nt in range(2):
                 tok = t_base + 16 * c + 8 * nt + g
-                kw = self._row_slice(kf, views, "k", stage, tok, 0, D // 4, q4 * (D // 4))
+                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4))
                 acc = [Float32(0.0)] * 4
                 for j in range(nk):
                     acc = mma_16816([rQ[4 * j], rQ[4 * j + 1], rQ[4 * j + 2], rQ[4 * j + 3]],
@@ -539,7 +654,7 @@ class DecodeSm90:
         # ---- online softmax (rows g and g+8 of this warp's tile; a row lives in the 4 lanes of a quad) ----
         for hr in range(2):
             mx = neg_inf
-            for c in range(self.nchunks):
+            for c in range(nchunks):
                 for nt in range(2):
                     mx = _fmax(mx, _fmax(S[c][nt][2 * hr], S[c][nt][2 * hr + 1]))
             mx = _fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
@@ -548,9 +663,10 @@ class DecodeSm90:
             m_new = _fmax(m_old, mx)
             m_use = _sel(m_new == neg_inf, Float32(0.0), m_new, Float32)  # all masked so far: avoid inf - inf
             corr = ex2_approx(m_old - m_use)
+            corr_o = corr if o_scale is None else corr * o_scale
             rM[hr] = m_new
             psum = Float32(0.0)
-            for c in range(self.nchunks):
+            for c in range(nchunks):
                 for nt in range(2):
                     for k in range(2):
                         p = ex2_approx(S[c][nt][2 * hr + k] - m_use)
@@ -559,10 +675,10 @@ class DecodeSm90:
             rL[hr] = rL[hr] * corr + psum
             for j in range(nn):
                 for k in range(2):
-                    rO[4 * j + 2 * hr + k] = rO[4 * j + 2 * hr + k] * corr
+                    rO[4 * j + 2 * hr + k] = rO[4 * j + 2 * hr + k] * corr_o
 
         # ---- O += P V ----
-        for c in range(self.nchunks):
+        for c in range(nchunks):
             P = S[c]
             if cutlass.const_expr(vf.scale == "row"):
                 # per-token V scale multiplies P (the reduction runs over tokens); sanitized past the end
@@ -576,7 +692,7 @@ class DecodeSm90:
             vw = []
             for off in (0, 1, 8, 9):
                 tok = t_base + 16 * c + 2 * q4 + off
-                ws = self._row_slice(vf, views, "v", stage, tok, 0, D // 8, g * (D // 8))
+                ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
                 # bytes past the sequence end may be anything (NaN bf16, 0x7F E4M3 scales): P = 0 there,
                 # but 0 * NaN is NaN, so zero the values themselves.
                 ok = pos0 + tok < kv_len
@@ -590,3 +706,63 @@ class DecodeSm90:
                     out = mma_16816(a, list(bb), [rO[4 * j + e] for e in range(4)], vf.bf16)
                     for e in range(4):
                         rO[4 * j + e] = out[e]
+
+
+def decode_compile_args() -> list:
+    """Placeholder arguments of :meth:`DecodeSm90.__call__` (zero addresses, unit sizes, a fake stream) to
+    compile a variant without a GPU or any tensor."""
+    return [Int64(0)] * 14 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+
+
+def decode_cache_key(arch: str, cfg: DecodeConfig) -> tuple:
+    """The compile-cache key of a decode variant: the launcher's and ``qattn-warmup``'s."""
+    return (arch,) + cfg.key
+
+
+# ==================================================================================================
+# variants for qattn-warmup
+# ==================================================================================================
+def _format_pair(name: str):
+    """``"nvfp4"`` -> (nvfp4, nvfp4); ``"int8+nvfp4"`` -> (int8 K, nvfp4 V); None for unknown names."""
+    parts = name.split("+")
+    if len(parts) > 2 or any(p not in FORMAT_NAMES for p in parts):
+        return None
+    return kv_format(parts[0]), kv_format(parts[-1])
+
+
+@register("decode")
+def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
+                     recent_windows=None, q_dtypes=None, **_):
+    """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
+    format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window and q dtype, causal,
+    with and without split-KV (the ring, when there is one, in the q dtype)."""
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+
+    if arch != "sm_90a":  # the decode kernel is SM90 only
+        return []
+    out, seen = [], set()
+    for name in kv_formats or FORMAT_NAMES:
+        pair = _format_pair(name)
+        if pair is None:
+            continue
+        for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:
+            for g in gqa or [1, 4, 8]:
+                for page in page_sizes or [16, 64, 128]:
+                    for sq in seqlen_q or [1]:
+                        if sq * g > 256:
+                            continue
+                        for w in recent_windows or [0]:
+                            for qd in q_dtypes or ["bf16"]:
+                                for split in (False, True):
+                                    cfg = choose_config(pair[0], pair[1], d, page, qd, g, sq, True, split,
+                                                        ring_window=w, ring_dtype=qd)
+                                    key = decode_cache_key(arch, cfg)
+                                    if key in seen:
+                                        continue
+                                    seen.add(key)
+                                    build = (lambda cfg=cfg: compile_for_arch(
+                                        DecodeSm90(cfg), *decode_compile_args(), arch=arch, keep_ptx=False)[0])
+                                    label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + (f" W{w}" if w else "")
+                                             + ("" if qd == "bf16" else f" {qd}") + (" split" if split else ""))
+                                    out.append(Variant("decode", key, label, build))
+    return out

@@ -4,27 +4,42 @@ Everything here is a plain Python value: a :class:`DecodeConfig` is what the ker
 (through :attr:`DecodeConfig.key`) what the compile cache is keyed by.
 
 Work split (see ``decode.py`` for the why):
-    CTA     = one (split, kv head, sequence); all query rows of that kv head packed together
-              (rows = seqlen_q x group, row r = i_q * group + h_in_group).
+    CTA     = one (split, kv head, m-block, sequence); the query rows of that kv head packed together
+              (rows = seqlen_q x group, row r = i_q * group + h_in_group). Up to 128 rows one CTA holds them all;
+              129..256 rows take ``m_blocks`` = 2 CTAs of 128 rows each (each reads the same K/V, mostly from L2):
+              a 16-warp CTA would need twice the registers and merge buffers of an SM's share.
     warps   = max(4, row_tiles); warp w owns row tile ``w % row_tiles`` (16 rows, one mma M) and token group
               ``w // row_tiles``: with few rows the warps of a CTA split every KV tile between them (flash-decoding
               inside the CTA) and merge their softmax states in shared memory at the end.
     tile_n  = 64 or 128 tokens of K and V per pipeline stage (any page size: a tile is a piece of one page or
               several whole pages, both contiguous runs in the pools), 2 stages (cp.async double buffering).
               See :func:`default_tile_n`.
+    ring    = caches with a recent-token window W: each sequence's newest min(len, W) tokens come from the bf16
+              ring, older ones from the pages. Ring tiles (``ring_tile_n`` tokens, one bf16 row per token) follow
+              the page tiles in the tile list, so split-KV needs no special case: the ring tiles land in the last
+              split(s). A ring tile's stage buffers share shared memory with a page tile's (a union per stage).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 from qattn.layouts.formats import KVFormat
 
 TILE_N = 64
-MAX_ROWS = 128  # seqlen_q * group; 8 row tiles = 8 warps. More rows need a row loop (not in v0).
+ROWS_PER_CTA = 128  # 8 row tiles = 8 warps
+MAX_ROWS = 256  # seqlen_q * group: spec range seqlen_q 1..16 x GQA 1..16; m_blocks = 2 CTAs above 128
 HEAD_DIMS = (64, 128)
 PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def _read_key(fmt: KVFormat) -> tuple:
+    """What of a format changes the decode code: its encoding, not the rule that chose its scales (mxfp4
+    floor and rceil caches share one variant)."""
+    return (fmt.payload, fmt.scale_dtype, fmt.scale_block, fmt.has_global_scale)
 
 
 def default_tile_n(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
@@ -34,14 +49,58 @@ def default_tile_n(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
     return TILE_N if "bf16" in (k_fmt.payload, v_fmt.payload) else 2 * TILE_N
 
 
-def row_tiles_for(rows: int) -> int:
-    """Row tiles of 16 for ``rows`` packed query rows, rounded up to a power of two (1, 2, 4, 8)."""
+def _check_rows(rows: int) -> None:
     if rows < 1 or rows > MAX_ROWS:
         raise ValueError(f"rows: seqlen_q * (num_heads / num_kv_heads) must be in [1, {MAX_ROWS}], got {rows}")
+
+
+def row_tiles_for(rows: int) -> int:
+    """Row tiles of 16 per CTA for ``rows`` packed query rows, rounded up to a power of two (1, 2, 4, 8)."""
+    _check_rows(rows)
     t = 1
-    while t * 16 < rows:
+    while t * 16 < min(rows, ROWS_PER_CTA):
         t *= 2
     return t
+
+
+def m_blocks_for(rows: int) -> int:
+    """CTAs per (split, kv head, sequence) that share the ``rows`` packed query rows, 128 rows each."""
+    _check_rows(rows)
+    return -(-rows // ROWS_PER_CTA)
+
+
+@functools.lru_cache(maxsize=1)
+def tuning_from_env() -> tuple:
+    """``(tile_n or None, min_warps)`` from ``QATTN_DECODE_TILE_N`` (64 / 128) and ``QATTN_DECODE_WARPS``
+    (4 / 8), read once per process (tuning runs set them before the first call; ``cache_clear()`` re-reads).
+    Both end up in the compile key through the :class:`DecodeConfig` they shape."""
+    tn = os.environ.get("QATTN_DECODE_TILE_N")
+    if tn is not None and tn not in ("64", "128"):
+        raise ValueError(f"QATTN_DECODE_TILE_N: expected 64 or 128, got {tn!r}")
+    w = os.environ.get("QATTN_DECODE_WARPS", "4")
+    if w not in ("4", "8"):
+        raise ValueError(f"QATTN_DECODE_WARPS: expected 4 or 8, got {w!r}")
+    return (None if tn is None else int(tn)), int(w)
+
+
+def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
+    """Tokens per page tile: ``default_tile_n`` unless ``QATTN_DECODE_TILE_N`` overrides it."""
+    tn, _ = tuning_from_env()
+    return default_tile_n(k_fmt, v_fmt) if tn is None else tn
+
+
+def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
+                  seqlen_q: int, causal: bool, split: bool, ring_window: int = 0,
+                  ring_dtype: str = "bf16") -> "DecodeConfig":
+    """The :class:`DecodeConfig` a decode call uses: the one place the launcher and ``qattn-warmup`` get it
+    from, so a warmed variant has exactly the runtime key."""
+    rows = seqlen_q * group
+    tile_n = tile_n_for(k_fmt, v_fmt)
+    # 8 warps split a tile 8 ways only when it has 8 x 16 tokens
+    min_warps = tuning_from_env()[1] if tile_n >= 128 else 4
+    return DecodeConfig(k_fmt, v_fmt, head_dim, q_dtype, group, row_tiles_for(rows), page_size, bool(causal),
+                        bool(split), tile_n=tile_n, min_warps=min_warps, m_blocks=m_blocks_for(rows),
+                        ring_window=int(ring_window), ring_dtype=ring_dtype if ring_window else "bf16")
 
 
 @dataclass(frozen=True)
@@ -51,13 +110,16 @@ class DecodeConfig:
     head_dim: int
     q_dtype: str  # "bf16" or "f16" (also the output dtype)
     group: int  # query heads per kv head
-    row_tiles: int  # 16-row tiles per CTA (1, 2, 4, 8): the seqlen_q bucket is rows <= 16 * row_tiles
+    row_tiles: int  # 16-row tiles per CTA (1, 2, 4, 8): the seqlen_q bucket is rows <= 16 * row_tiles * m_blocks
     page_size: int
     causal: bool
     split: bool  # write fp32 partial O + LSE for the combine kernel, instead of the output
     tile_n: int = TILE_N
     stages: int = 2
     min_warps: int = 4  # 4 or 8: with few rows, more warps split each tile's tokens (more latency hiding)
+    m_blocks: int = 1  # CTAs sharing one (split, kv head, sequence)'s rows: 2 for 129..256 rows (8 row tiles each)
+    ring_window: int = 0  # recent-token window W of the cache (0: no ring); compile time, so p % W is cheap
+    ring_dtype: str = "bf16"  # the ring's dtype ("bf16" / "f16"), the MMA type of ring tiles
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -68,8 +130,15 @@ class DecodeConfig:
             raise ValueError(f"q_dtype: expected 'bf16' or 'f16', got {self.q_dtype!r}")
         if self.row_tiles not in (1, 2, 4, 8):
             raise ValueError(f"row_tiles: expected 1, 2, 4 or 8, got {self.row_tiles}")
-        if not 1 <= self.group <= 16 * self.row_tiles:
-            raise ValueError(f"group: {self.group} query heads per kv head does not fit {self.row_tiles} row tiles")
+        if self.m_blocks not in (1, 2) or (self.m_blocks > 1 and self.row_tiles != 8):
+            raise ValueError(f"m_blocks: expected 1, or 2 with 8 row tiles (rows <= {MAX_ROWS}), got "
+                             f"{self.m_blocks} with {self.row_tiles} row tiles")
+        if not 1 <= self.group <= self.max_rows:
+            raise ValueError(f"group: {self.group} query heads per kv head does not fit {self.max_rows} rows")
+        if not isinstance(self.ring_window, int) or self.ring_window < 0:
+            raise ValueError(f"ring_window: expected an int >= 0, got {self.ring_window!r}")
+        if self.ring_dtype not in ("bf16", "f16"):
+            raise ValueError(f"ring_dtype: expected 'bf16' or 'f16', got {self.ring_dtype!r}")
         for f in (self.k_fmt, self.v_fmt):
             f.check_head_dim(self.head_dim)
         if self.min_warps not in (4, 8):
@@ -92,13 +161,19 @@ class DecodeConfig:
 
     @property
     def max_rows(self) -> int:
-        return 16 * self.row_tiles
+        return 16 * self.row_tiles * self.m_blocks
+
+    @property
+    def ring_tile_n(self) -> int:
+        """Tokens per ring tile: 64 (32 KB of bf16 K+V per stage at D=128) unless 8 token groups need 128."""
+        return max(64, 16 * self.token_groups)
 
     @property
     def key(self) -> tuple:
         """Everything that changes the generated code (the arch is added by the caller)."""
-        return ("sm90_decode", self.k_fmt.key, self.v_fmt.key, self.head_dim, self.q_dtype, self.group,
-                self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps)
+        return ("sm90_decode", _read_key(self.k_fmt), _read_key(self.v_fmt), self.head_dim, self.q_dtype, self.group,
+                self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps,
+                self.m_blocks, self.ring_window, self.ring_dtype)
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
