@@ -16,6 +16,17 @@ row are done by the same threads, one after the other. All arithmetic is IEEE fp
 ``div.rn`` for ``amax / qmax`` and ``amax / (g * 6)``, ``div.rn 1, d`` for reciprocals (only of normal
 divisors), RNE conversions (``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rni.s32.f32``, ``cvt.rn.bf16x2.f32``).
 
+Insert transforms (compile-time flags, part of the compile-cache key: ``rope_style`` / ``rotary_dim``, ``smooth``,
+``rotate``), applied in registers between the fp32 widening and the quantizer, in the order and with the exact
+fp32 operations of ``qattn.quant.transforms.transform_kv``: RoPE on K (NeoX pairs ``(i, i + rotary_dim/2)``, whose
+partner may sit in another lane of the row: warp shuffles, see :func:`neox_partner_plan`; GPT-J pairs
+``(2i, 2i+1)`` are in-thread; cos/sin read from the caller's fp32 table at the token's position, clamped into
+the table), minus the K mean of the row's head, then the Hadamard butterflies on K and V (steps with
+``h < E`` in-thread, the others by xor-shuffles between the lanes of the row), the sign multiply and the
+``fp32(1/sqrt(D))`` multiply. Every one of these fp32 operations is an inline ``mul.rn`` / ``add.rn`` /
+``sub.rn`` (ptxas never contracts them into an fma; the CPU test checks that the PTX holds no fp32 fma).
+Rows that a transform changed are stored from fp32 (RNE to bf16 for bf16 payloads and rings).
+
 Ring entries hit twice in one call (a prefill chunk longer than the window): the reference keeps the token with
 the largest position. The kernel writes a token's ring row unless token ``t + W`` of the same call (W = the
 window) is a kept token of the same ring slot at position ``pos + W`` (the token that overwrites it). This is
