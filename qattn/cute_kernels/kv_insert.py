@@ -16,6 +16,17 @@ row are done by the same threads, one after the other. All arithmetic is IEEE fp
 ``div.rn`` for ``amax / qmax`` and ``amax / (g * 6)``, ``div.rn 1, d`` for reciprocals (only of normal
 divisors), RNE conversions (``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rni.s32.f32``, ``cvt.rn.bf16x2.f32``).
 
+Insert transforms (compile-time flags, part of the compile-cache key: ``rope_style`` / ``rotary_dim``, ``smooth``,
+``rotate``), applied in registers between the fp32 widening and the quantizer, in the order and with the exact
+fp32 operations of ``qattn.quant.transforms.transform_kv``: RoPE on K (NeoX pairs ``(i, i + rotary_dim/2)``, whose
+partner may sit in another lane of the row: warp shuffles, see :func:`neox_partner_plan`; GPT-J pairs
+``(2i, 2i+1)`` are in-thread; cos/sin read from the caller's fp32 table at the token's position, clamped into
+the table), minus the K mean of the row's head, then the Hadamard butterflies on K and V (steps with
+``h < E`` in-thread, the others by xor-shuffles between the lanes of the row), the sign multiply and the
+``fp32(1/sqrt(D))`` multiply. Every one of these fp32 operations is an inline ``mul.rn`` / ``add.rn`` /
+``sub.rn`` (ptxas never contracts them into an fma; the CPU test checks that the PTX holds no fp32 fma).
+Rows that a transform changed are stored from fp32 (RNE to bf16 for bf16 payloads and rings).
+
 Ring entries hit twice in one call (a prefill chunk longer than the window): the reference keeps the token with
 the largest position. The kernel writes a token's ring row unless token ``t + W`` of the same call (W = the
 window) is a kept token of the same ring slot at position ``pos + W`` (the token that overwrites it). This is
@@ -40,9 +51,12 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+import torch
+
 from qattn.cute_kernels.common import fp4
 from qattn.interface.variants import Variant, cache_for, register
 from qattn.layouts.formats import KVFormat, kv_format
+from qattn.quant.transforms import ROPE_STYLES, _scale_const
 
 __all__ = ["KVInsert", "make_insert_compile_args", "launch_insert", "INSERT_FORMATS"]
 
@@ -130,6 +144,16 @@ def add_rn(a, b):
 # ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
+def neox_partner_plan(elems: int, half: int) -> list[tuple[int, int, int, int]]:
+    """Where the NeoX RoPE partner of each of a thread's ``elems`` values lives (compile-time, per local index j).
+
+    Element ``i = part * elems + j`` pairs with ``i + half`` when ``i < half`` and with ``i - half`` otherwise;
+    that is local index ``(j +- half) mod elems`` of the lane ``(j +- half) div elems`` away (floor division:
+    the same for every thread of the row). Returns ``(lo_loc, lo_off, hi_loc, hi_off)`` per j. Shared with the
+    CPU emulation test of the kernel's data movement."""
+    return [((j + half) % elems, (j + half) // elems, (j - half) % elems, (j - half) // elems) for j in range(elems)]
+
+
 def _resolve(fmt, scale_rule=None) -> KVFormat:
     if isinstance(fmt, KVFormat):
         return fmt
@@ -162,7 +186,8 @@ class KVInsert:
     """
 
     def __init__(self, k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
-                 ring_bf16: bool = True):
+                 ring_bf16: bool = True, *, rope_style: Optional[str] = None, rotary_dim: int = 0,
+                 smooth: bool = False, rotate: bool = False):
         kf, vf = _resolve(k_fmt), _resolve(v_fmt)
         kf.check_head_dim(head_dim)
         vf.check_head_dim(head_dim)
@@ -183,10 +208,29 @@ class KVInsert:
         self.k = _Side(kf, head_dim, self.elems)
         self.v = _Side(vf, head_dim, self.elems)
         self.in_chunks = self.elems // 8  # 16-byte input vectors per thread
+        # insert transforms (compile-time): RoPE on K, K smoothing, Hadamard rotation of K and V
+        if rope_style is not None:
+            if rope_style not in ROPE_STYLES:
+                raise ValueError(f"rope_style: expected one of {ROPE_STYLES} or None, got {rope_style!r}")
+            if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+                raise ValueError(f"rotary_dim: expected an even int in [2, head_dim={head_dim}], got {rotary_dim!r}")
+        self.rope_style = rope_style
+        self.rotary_dim = int(rotary_dim) if rope_style is not None else 0
+        self.smooth = bool(smooth)
+        self.rotate = bool(rotate)
+        if self.rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim: the Hadamard rotation needs a power of two, got {head_dim}")
+        # fp32(1 / sqrt(head_dim)), rounded once from fp64: the reference's normalisation constant
+        self.rotation_scale = float(_scale_const(head_dim, torch.float32)) if self.rotate else 0.0
 
     @property
     def key(self) -> tuple:
-        return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16)
+        return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16,
+                self.rope_style, self.rotary_dim, self.smooth, self.rotate)
+
+    def _transforms(self, is_key: bool) -> bool:
+        """Whether the row of this side is changed before it is stored (then stores convert from fp32)."""
+        return self.rotate or (is_key and (self.rope_style is not None or self.smooth))
 
     # --------------------------------------------------------------------------------------------
     def _data_tensor(self, side: _Side, ptr, rows):
@@ -220,12 +264,16 @@ class KVInsert:
         v_gscale: cute.Pointer,
         k_ring: cute.Pointer,  # Uint32 view of (max_seqs, H, W, D) 16-bit ring (ring caches; any otherwise)
         v_ring: cute.Pointer,
+        cos_sin: cute.Pointer,  # Float32 (max_position, rotary_dim) RoPE table (RoPE; any otherwise)
+        k_mean: cute.Pointer,  # Float32 (H, D), 16-byte aligned (smoothing; any otherwise)
+        rot_signs: cute.Pointer,  # Float32 (D,) +-1, 16-byte aligned (rotation; any otherwise)
         num_tokens: Int32,
         num_heads: Int32,
         page_size: Int32,
         window: Int32,
         pool_rows: Int32,  # num_blocks * H * page_size
         ring_rows: Int32,  # max_seqs * H * window
+        max_position: Int32,  # rows of the RoPE table (1 without RoPE)
         stream: cuda.CUstream,
     ):
         rows = num_tokens * num_heads
@@ -242,16 +290,22 @@ class KVInsert:
         mVg = cute.make_tensor(v_gscale, cute.make_layout((num_heads,)))
         mKr = self._vec16_tensor(k_ring, ring_rows)
         mVr = self._vec16_tensor(v_ring, ring_rows)
+        rd = max(self.rotary_dim, 2)
+        mCS = cute.make_tensor(cos_sin, cute.make_layout((max_position, rd), stride=(rd, 1)))
+        mMean = cute.make_tensor(k_mean, cute.make_layout((self.elems, self.threads_per_row, num_heads),
+                                                          stride=(1, self.elems, self.head_dim)))
+        mSigns = cute.make_tensor(rot_signs, cute.make_layout((self.elems, self.threads_per_row)))
         grid_x = (rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr,
-                    num_tokens, num_heads, page_size, window).launch(
+        self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr, mCS, mMean, mSigns,
+                    num_tokens, num_heads, page_size, window, max_position).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mKin: cute.Tensor, mVin: cute.Tensor, mSlot: cute.Tensor, mSeq: cute.Tensor,
                mPos: cute.Tensor, mKd: cute.Tensor, mKs: cute.Tensor, mKg: cute.Tensor, mVd: cute.Tensor,
-               mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, num_tokens: Int32,
-               num_heads: Int32, page_size: Int32, window: Int32):
+               mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, mCS: cute.Tensor,
+               mMean: cute.Tensor, mSigns: cute.Tensor, num_tokens: Int32, num_heads: Int32, page_size: Int32,
+               window: Int32, max_position: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         row = bidx * self.rows_per_cta + tidx // self.threads_per_row
@@ -290,12 +344,26 @@ class KVInsert:
                                 ring_ok = False
                 ring_row = (Int32(seq) * num_heads + head) * window + Int32(pos % Int64(window))
 
-        self._side(self.k, rKin, mKd, mKs, mKg, mKr, head, part, pool_row, valid, ring_ok, ring_row)
-        self._side(self.v, rVin, mVd, mVs, mVg, mVr, head, part, pool_row, valid, ring_ok, ring_row)
+        # The RoPE table row of the token, clamped into the table: only kept tokens' rows matter, and a bad
+        # position gives wrong numbers, never an out-of-bounds read (write_kv(check=True) rejects it).
+        rope_row = Int32(0)
+        if cutlass.const_expr(self.rope_style is not None):
+            if valid:
+                p = mPos[token]
+                if p > Int64(0):
+                    rope_row = max_position - 1
+                    if p < Int64(max_position):
+                        rope_row = Int32(p)
+
+        self._side(self.k, True, rKin, mKd, mKs, mKg, mKr, mCS, mMean, mSigns, rope_row, head, part, pool_row,
+                   valid, ring_ok, ring_row)
+        self._side(self.v, False, rVin, mVd, mVs, mVg, mVr, mCS, mMean, mSigns, rope_row, head, part, pool_row,
+                   valid, ring_ok, ring_row)
 
     @cute.jit
-    def _side(self, side: cutlass.Constexpr, rIn: cute.Tensor, mD: cute.Tensor, mS: cute.Tensor,
-              mG: cute.Tensor, mR: cute.Tensor, head: Int32, part: Int32, pool_row: Int32,
+    def _side(self, side: cutlass.Constexpr, is_key: cutlass.Constexpr, rIn: cute.Tensor, mD: cute.Tensor,
+              mS: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor, mCS: cute.Tensor, mMean: cute.Tensor,
+              mSigns: cute.Tensor, rope_row: Int32, head: Int32, part: Int32, pool_row: Int32,
               valid: cutlass.Boolean, ring_ok: cutlass.Boolean, ring_row: Int32):
         E = self.elems
         vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
@@ -308,12 +376,21 @@ class KVInsert:
             rX[2 * w] = lo
             rX[2 * w + 1] = hi
 
-        # --- the unquantized row into the ring ---------------------------------------------------
+        # --- insert transforms, fp32, in the reference's order (qattn.quant.transforms.transform_kv) ----
+        transformed = self._transforms(is_key)
+        if cutlass.const_expr(is_key and self.rope_style is not None):
+            self._rope(rX, mCS, rope_row, part)
+        if cutlass.const_expr(is_key and self.smooth):
+            self._smooth(rX, mMean, head, part)
+        if cutlass.const_expr(self.rotate):
+            self._rotate(rX, mSigns, part)
+
+        # --- the unquantized (transformed) row into the ring --------------------------------------
         if cutlass.const_expr(self.ring):
             if ring_ok:
                 rR = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
                 for w in cutlass.range_constexpr(E // 2):
-                    if cutlass.const_expr(self.ring_bf16 == self.in_bf16):
+                    if cutlass.const_expr(self.ring_bf16 == self.in_bf16 and not transformed):
                         rR[w % 4, w // 4] = rIn[w % 4, w // 4]
                     else:
                         rR[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], self.ring_bf16)
@@ -324,7 +401,7 @@ class KVInsert:
         rP = cute.make_rmem_tensor((side.vec, side.words // side.vec), Uint32)
         if cutlass.const_expr(side.kind == "bf16"):
             for w in cutlass.range_constexpr(E // 2):
-                if cutlass.const_expr(self.in_bf16):
+                if cutlass.const_expr(self.in_bf16 and not transformed):
                     rP[w % 4, w // 4] = rIn[w % 4, w // 4]
                 else:
                     rP[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], True)
@@ -377,6 +454,112 @@ class KVInsert:
                 cute.copy(st, rP[None, cs], mD[None, cs, part, pool_row])
 
 
+    # --------------------------------------------------------------------------------------------
+    # transforms. Every fp32 operation is an explicitly rounded mul.rn / add.rn / sub.rn (inline PTX that ptxas
+    # never contracts into an fma), in the order of qattn.quant.transforms, so the bytes equal the reference's.
+    # Thread `part` of a row holds elements [part * E, part * E + E) of it; partners in other threads of the row
+    # come by warp shuffles (the G threads of a row are consecutive lanes of one warp).
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def _rope(self, rX: cute.Tensor, mCS: cute.Tensor, rope_row: Int32, part: Int32):
+        """x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin per pair; elements >= rotary_dim unchanged."""
+        E = self.elems
+        rd = self.rotary_dim
+        half = rd // 2
+        base = part * E
+        # the partner of each element (the other member of its pair), gathered before anything is overwritten
+        rPart = cute.make_rmem_tensor((E,), Float32)
+        if cutlass.const_expr(self.rope_style == "gptj"):
+            for j in cutlass.range_constexpr(E):
+                rPart[j] = rX[j ^ 1]  # pairs (2i, 2i + 1) never straddle threads (E is even)
+        else:
+            lane = cute.arch.lane_idx()
+            plan = neox_partner_plan(E, half)
+            for j in cutlass.range_constexpr(E):
+                lo_loc, lo_off, hi_loc, hi_off = plan[j]
+                first = base + j < half
+                if cutlass.const_expr(lo_loc == hi_loc):  # one shuffle, source lane picked per thread
+                    off = Int32(hi_off)
+                    if first:
+                        off = Int32(lo_off)
+                    rPart[j] = cute.arch.shuffle_sync(rX[lo_loc], lane + off)
+                else:
+                    if cutlass.const_expr(hi_off == 0):
+                        rPart[j] = rX[hi_loc]
+                    else:
+                        rPart[j] = cute.arch.shuffle_sync(rX[hi_loc], lane + Int32(hi_off))
+                    if cutlass.const_expr(lo_off == 0):
+                        if first:
+                            rPart[j] = rX[lo_loc]
+                    else:
+                        from_lo = cute.arch.shuffle_sync(rX[lo_loc], lane + Int32(lo_off))
+                        if first:
+                            rPart[j] = from_lo
+        for j in cutlass.range_constexpr(E):
+            i = base + j
+            if i < rd:
+                if cutlass.const_expr(self.rope_style == "gptj"):
+                    col = i // 2
+                    cos = mCS[rope_row, col]
+                    sin = mCS[rope_row, col + half]
+                    prod_cos = mul_rn(rX[j], cos)
+                    prod_sin = mul_rn(rPart[j], sin)
+                    if cutlass.const_expr(j % 2 == 0):  # base is even: j's parity is i's
+                        rX[j] = sub_rn(prod_cos, prod_sin)
+                    else:
+                        rX[j] = add_rn(prod_cos, prod_sin)
+                else:
+                    first = i < half
+                    col = i
+                    if not first:
+                        col = i - half
+                    cos = mCS[rope_row, col]
+                    sin = mCS[rope_row, col + half]
+                    prod_cos = mul_rn(rX[j], cos)
+                    prod_sin = mul_rn(rPart[j], sin)
+                    if first:
+                        rX[j] = sub_rn(prod_cos, prod_sin)
+                    else:
+                        rX[j] = add_rn(prod_cos, prod_sin)
+
+    @cute.jit
+    def _smooth(self, rX: cute.Tensor, mMean: cute.Tensor, head: Int32, part: Int32):
+        """x - k_mean[head] (one fp32 subtraction per element)."""
+        rM = cute.make_rmem_tensor((self.elems,), Float32)
+        cute.autovec_copy(mMean[None, part, head], rM)
+        for j in cutlass.range_constexpr(self.elems):
+            rX[j] = sub_rn(rX[j], rM[j])
+
+    @cute.jit
+    def _rotate(self, rX: cute.Tensor, mSigns: cute.Tensor, part: Int32):
+        """(FWHT(x) * s) * c: butterflies h = 1, 2, ..., D/2 turning (a, b) = (x[i], x[i + h]) (i & h == 0)
+        into (a + b, a - b); steps with h < E stay in the thread, the others pair lanes by xor-shuffles."""
+        E = self.elems
+        for step in cutlass.range_constexpr(self.head_dim.bit_length() - 1):
+            h = 1 << step
+            if cutlass.const_expr(h < E):
+                for j in cutlass.range_constexpr(E):
+                    if cutlass.const_expr(j & h == 0):
+                        a = rX[j]
+                        b = rX[j + h]
+                        rX[j] = add_rn(a, b)
+                        rX[j + h] = sub_rn(a, b)
+            else:
+                lanes = h // E  # the partner element i ^ h lives in thread part ^ lanes, same local index
+                upper = (part & Int32(lanes)) != Int32(0)
+                for j in cutlass.range_constexpr(E):
+                    other = cute.arch.shuffle_sync_bfly(rX[j], offset=lanes)
+                    if upper:  # this thread holds b: a - b with a from the partner
+                        rX[j] = sub_rn(other, rX[j])
+                    else:
+                        rX[j] = add_rn(rX[j], other)
+        rS = cute.make_rmem_tensor((E,), Float32)
+        cute.autovec_copy(mSigns[None, part], rS)
+        scale = Float32(self.rotation_scale)
+        for j in cutlass.range_constexpr(E):
+            rX[j] = mul_rn(mul_rn(rX[j], rS[j]), scale)
+
+
 # ==================================================================================================
 # compile and launch
 # ==================================================================================================
@@ -387,9 +570,10 @@ def _scale_ptr_type(fmt: KVFormat):
 
 
 def make_insert_compile_args(k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
-                             ring_bf16: bool = True):
-    """(kernel object, args) to compile :class:`KVInsert` without a GPU (fake pointers, fake stream)."""
-    cfg = KVInsert(k_fmt, v_fmt, head_dim, in_bf16, ring, ring_bf16)
+                             ring_bf16: bool = True, **transforms):
+    """(kernel object, args) to compile :class:`KVInsert` without a GPU (fake pointers, fake stream).
+    ``transforms``: ``rope_style``, ``rotary_dim``, ``smooth``, ``rotate`` as in :class:`KVInsert`."""
+    cfg = KVInsert(k_fmt, v_fmt, head_dim, in_bf16, ring, ring_bf16, **transforms)
     return cfg, _fake_args(cfg)
 
 
@@ -400,7 +584,8 @@ def _fake_args(cfg: KVInsert):
     ks, vs = _scale_ptr_type(cfg.k.fmt), _scale_ptr_type(cfg.v.fmt)
     return (p(Uint32, 16), p(Uint32, 16), p(Int64, 8), p(Int64, 8), p(Int64, 8),
             p(Uint32, 16), p(*ks), p(Float32, 4), p(Uint32, 16), p(*vs), p(Float32, 4),
-            p(Uint32, 16), p(Uint32, 16)) + tuple(Int32(1) for _ in range(6)) + (cute.runtime.make_fake_stream(),)
+            p(Uint32, 16), p(Uint32, 16), p(Float32, 4), p(Float32, 16), p(Float32, 16)) + tuple(
+                Int32(1) for _ in range(7)) + (cute.runtime.make_fake_stream(),)
 
 
 def _compiled(cfg: KVInsert, arch: str):
@@ -417,8 +602,10 @@ def _ptr(dtype, t, align: int):
 
 
 def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, lay, num_blocks: int,
-                  page_size: int, window: int, max_seqs: int) -> None:
-    """Launch on torch's current stream. Tensors must already be validated (kv_cache_ops.write_kv)."""
+                  page_size: int, window: int, max_seqs: int, cos_sin=None, k_mean=None, rot_signs=None) -> None:
+    """Launch on torch's current stream. Tensors must already be validated (kv_cache_ops.write_kv).
+    ``cos_sin`` (max_position, rotary_dim) fp32, ``k_mean`` (H, D) fp32 and ``rot_signs`` (D,) fp32 (16-byte
+    aligned, contiguous) are needed exactly when ``cfg`` has RoPE, smoothing, rotation."""
     import torch
 
     T_, H = int(k.shape[0]), int(k.shape[1])
@@ -442,11 +629,15 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
         _ptr(Uint32, lay.k_data, 16), scale_ptr(lay.k_scale_pool, cfg.k.fmt), _ptr(Float32, gk, 4),
         _ptr(Uint32, lay.v_data, 16), scale_ptr(lay.v_scale_pool, cfg.v.fmt), _ptr(Float32, gv, 4),
         _ptr(Uint32, kr, 16), _ptr(Uint32, vr, 16),
+        _ptr(Float32, cos_sin if cos_sin is not None else any16, 4),
+        _ptr(Float32, k_mean if k_mean is not None else any16, 16),
+        _ptr(Float32, rot_signs if rot_signs is not None else any16, 16),
     )
+    max_position = int(cos_sin.shape[0]) if cos_sin is not None else 1
     fn = _compiled(cfg, arch)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     fn(*ptrs, Int32(T_), Int32(H), Int32(page_size), Int32(max(window, 1)), Int32(num_blocks * H * page_size),
-       Int32(max_seqs * H * max(window, 1)), stream)
+       Int32(max_seqs * H * max(window, 1)), Int32(max_position), stream)
 
 
 # ==================================================================================================

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..layouts.paged import PagedKVCache
+from ..quant.transforms import rotate_query, unrotate_output
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .variants import cache_for
 
@@ -276,12 +277,27 @@ def flash_attn_with_kvcache(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
 ):
+    # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T.
+    signs = getattr(cache, "rotation_signs", None)
+    final_out = out
+    if signs is not None:
+        q, out = rotate_query(q, signs), None
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
-        return paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
-                                   return_lse, out, seq_slots=seq_slots)
-    return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
-                                          softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                          return_lse=return_lse, out=out)
+        res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
+                                  return_lse, out, seq_slots=seq_slots)
+    else:
+        res = _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
+                                             softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                             return_lse=return_lse, out=out)
+    if signs is None:
+        return res
+    o, lse = res if return_lse else (res, None)
+    o = unrotate_output(o, signs, final_out)
+    return (o, lse) if return_lse else o
 
 
-flash_attn_with_kvcache.__doc__ = _flash_attn_with_kvcache_eager.__doc__
+flash_attn_with_kvcache.__doc__ = _flash_attn_with_kvcache_eager.__doc__ + """
+    On a cache built with ``rotate=True`` (K and V stored rotated), q is rotated first
+    (``qattn.quant.transforms.rotate_query``) and the output rotated back (``unrotate_output``): the result is
+    attention of the caller's q over the unrotated K, V, up to quantization error; the LSE is unchanged.
+    """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.paged import PagedKVCache
+from ..quant.transforms import RoPE
 from .torch_ops import write_kv_traced  # registers the custom ops
 
 __all__ = ["write_kv", "flatten_kv", "inspect_kv"]
@@ -44,11 +45,17 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
 
 def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
              seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-             check: bool = False) -> None:
+             rope: RoPE | None = None, k_mean: torch.Tensor | None = None, check: bool = False) -> None:
     """Quantize ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) bf16/fp16 and write them into ``layer`` of
     ``cache`` at ``slot_mapping`` (num_tokens,) int64 (``block * page_size + offset``; -1 skips the token:
     nothing is written for it). One fused CuTe-DSL kernel launch on the current stream; the bytes equal
     :func:`qattn.reference.write_kv_reference`.
+
+    Optional transforms, fused into the same launch, in this order and in fp32 (docs/formats.md, "Insert
+    transforms"): ``rope`` (a :class:`qattn.RoPE`: NeoX or GPT-J pairing, cos/sin table on the cache's device)
+    rotates K at ``positions`` (num_tokens,) int64; ``k_mean`` (num_kv_heads, head_dim) fp32 is subtracted from
+    K (smoothing); a cache built with ``rotate=True`` applies its randomized Hadamard rotation to K and V. The
+    ring, if any, stores the transformed rows (what decode reads).
 
     For a cache with a recent window, ``seq_slots`` and ``positions`` (num_tokens,) int64 are required and
     each kept token is also written, unquantized, to ``ring[seq_slot, :, position % W]``. Precondition when a
@@ -57,9 +64,10 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     reference. Slots must be distinct.
 
     ``check=False`` (default): only metadata checks (types, shapes, devices, sizes); no host synchronisation,
-    so it is safe inside CUDA graphs. ``check=True`` also validates values (synchronises): slots in
-    ``[-1, capacity)`` and distinct, seq_slots in range, positions >= 0, the ring precondition above, and
-    finite k / v.
+    so it is safe inside CUDA graphs (a position outside the RoPE table is then clamped into it: wrong numbers,
+    never an out-of-bounds read). ``check=True`` also validates values (synchronises): slots in
+    ``[-1, capacity)`` and distinct, seq_slots in range, positions >= 0 (and inside the RoPE table), the ring
+    precondition above, and finite k / v / k_mean.
     """
     from ..cute_kernels import kv_insert
     from .variants import supported_arch
@@ -90,17 +98,35 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         if seq_slots is None or positions is None:
             raise ValueError("seq_slots: a cache with a recent window needs seq_slots and positions")
         _tensor(seq_slots, "seq_slots", (torch.int64,), dev, (n,))
-        _tensor(positions, "positions", (torch.int64,), dev, (n,))
         if cache.max_seqs * H * cache.recent_window * D > _MAX_I32:
             raise ValueError("write_kv: the ring exceeds the kernel's 32-bit indexing")
-    elif seq_slots is not None or positions is not None:
-        raise ValueError("seq_slots: the cache has no recent window; pass neither seq_slots nor positions")
+    elif seq_slots is not None:
+        raise ValueError("seq_slots: the cache has no recent window; pass no seq_slots")
+    if rope is not None:
+        if not isinstance(rope, RoPE):
+            raise TypeError(f"rope: expected a qattn.RoPE, got {type(rope).__name__}")
+        _tensor(rope.cos_sin_cache, "rope.cos_sin_cache", (torch.float32,), dev)
+        if rope.rotary_dim > D:
+            raise ValueError(f"rope: rotary_dim {rope.rotary_dim} exceeds head_dim {D}")
+        if rope.max_position * rope.rotary_dim > _MAX_I32:
+            raise ValueError("rope: the cos/sin table exceeds the kernel's 32-bit indexing")
+        if positions is None:
+            raise ValueError("positions: RoPE needs each token's position")
+    elif positions is not None and not ring:
+        raise ValueError("positions: the cache has no recent window and no RoPE is applied; pass no positions")
+    if positions is not None:
+        _tensor(positions, "positions", (torch.int64,), dev, (n,))
+    if k_mean is not None:
+        _tensor(k_mean, "k_mean", (torch.float32,), dev, (H, D))
     if check:
-        _check_values(cache, k, v, slot_mapping, seq_slots, positions)
+        _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
     if n == 0:
         return
     cfg = kv_insert.KVInsert(cache.k_format, cache.v_format, D, in_bf16=k.dtype == torch.bfloat16, ring=ring,
-                             ring_bf16=cache.dtype == torch.bfloat16)
+                             ring_bf16=cache.dtype == torch.bfloat16,
+                             rope_style=None if rope is None else rope.style,
+                             rotary_dim=0 if rope is None else rope.rotary_dim,
+                             smooth=k_mean is not None, rotate=cache.rotate)
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
         k16, v16 = _aligned16(k), _aligned16(v)
@@ -108,10 +134,13 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         kv_insert.launch_insert(cfg, arch, k16, v16, slots,
                                 None if seq_slots is None else seq_slots.contiguous(),
                                 None if positions is None else positions.contiguous(),
-                                lay, cache.num_blocks, cache.page_size, cache.recent_window, cache.max_seqs)
+                                lay, cache.num_blocks, cache.page_size, cache.recent_window, cache.max_seqs,
+                                cos_sin=None if rope is None else rope.cos_sin_cache,
+                                k_mean=None if k_mean is None else _aligned16(k_mean),
+                                rot_signs=_aligned16(cache.rotation_signs) if cache.rotate else None)
 
 
-def _check_values(cache, k, v, slot_mapping, seq_slots, positions) -> None:
+def _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope=None, k_mean=None) -> None:
     capacity = cache.num_blocks * cache.page_size
     s = slot_mapping
     bad = (s < -1) | (s >= capacity)
@@ -120,9 +149,13 @@ def _check_values(cache, k, v, slot_mapping, seq_slots, positions) -> None:
     kept = s[s >= 0]
     if kept.numel() != torch.unique(kept).numel():
         raise ValueError("slot_mapping: the same slot appears twice")
-    for t, name in ((k, "k"), (v, "v")):
-        if not bool(torch.isfinite(t).all()):
+    for t, name in ((k, "k"), (v, "v"), (k_mean, "k_mean")):
+        if t is not None and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name}: contains NaN or Inf")
+    if rope is not None:
+        p = positions[s >= 0]
+        if bool(((p < 0) | (p >= rope.max_position)).any()):
+            raise ValueError(f"positions: values must be in [0, {rope.max_position}) (the RoPE table's rows)")
     if not cache.recent_window:
         return
     keep = s >= 0
@@ -204,11 +237,12 @@ def inspect_kv(cache: PagedKVCache, layer: int, block: int, offset: int, head: i
 
 
 def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
-             seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-             check: bool = False) -> None:
+             positions: torch.Tensor | None = None, rope: RoPE | None = None, k_mean: torch.Tensor | None = None,
+             seq_slots: torch.Tensor | None = None, check: bool = False) -> None:
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
-        return write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions)
-    return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, check=check)
+        return write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
+    return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
+                           k_mean=k_mean, check=check)
 
 
 write_kv.__doc__ = _write_kv_eager.__doc__

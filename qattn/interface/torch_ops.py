@@ -28,10 +28,13 @@ def _parse(s: str) -> KVFormat:
 
 
 def _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
-          k_format: str, v_format: str, page_size: int, head_dim: int, ring_dtype) -> PagedKVCache:
+          k_format: str, v_format: str, page_size: int, head_dim: int, ring_dtype, rotation_signs=None,
+          rotation_seed: int = 0) -> PagedKVCache:
+    # rotation_signs (the cache's device tensor) is passed through, so the op never copies from the host
     layer = KVLayer(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring)
     return PagedKVCache.from_tensors([layer], page_size, head_dim, (_parse(k_format), _parse(v_format)),
-                                     dtype=ring_dtype)
+                                     dtype=ring_dtype, rotate=rotation_signs is not None,
+                                     rotation_seed=rotation_seed, rotation_signs=rotation_signs)
 
 
 def _head_dim(k_data: torch.Tensor, k_format: str) -> int:
@@ -46,18 +49,26 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                 k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
                 k_ring: Optional[torch.Tensor], v_ring: Optional[torch.Tensor],
                 seq_slots: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-                k_format: str, v_format: str, page_size: int) -> None:
+                k_format: str, v_format: str, page_size: int,
+                cos_sin_cache: Optional[torch.Tensor] = None, rope_style: str = "neox",
+                k_mean: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
+                rotation_seed: int = 0) -> None:
+    from ..quant.transforms import RoPE
     from .kv_cache_ops import _write_kv_eager
 
     ring_dtype = k_ring.dtype if k_ring is not None else torch.bfloat16
     cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
-                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype)
-    _write_kv_eager(cache, 0, k, v, slot_mapping, seq_slots=seq_slots, positions=positions)
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype, rotation_signs,
+                  rotation_seed)
+    rope = None if cos_sin_cache is None else RoPE(cos_sin_cache, rope_style)
+    _write_kv_eager(cache, 0, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
+                    k_mean=k_mean)
 
 
 @write_kv_op.register_fake
 def _(k, v, slot_mapping, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring,
-      v_ring, seq_slots, positions, k_format, v_format, page_size) -> None:
+      v_ring, seq_slots, positions, k_format, v_format, page_size, cos_sin_cache=None, rope_style="neox",
+      k_mean=None, rotation_signs=None, rotation_seed=0) -> None:
     return None
 
 
@@ -86,11 +97,14 @@ def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_sc
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
-def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slots, positions) -> None:
+def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slots, positions, rope=None,
+                    k_mean=None) -> None:
     lay = cache.layer(layer)
     torch.ops.qattn.write_kv(k, v, slot_mapping, lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
                              lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring, seq_slots, positions,
-                             format_str(cache.k_format), format_str(cache.v_format), cache.page_size)
+                             format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
+                             None if rope is None else rope.cos_sin_cache, "neox" if rope is None else rope.style,
+                             k_mean, cache.rotation_signs, cache.rotation_seed or 0)
 
 
 def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,

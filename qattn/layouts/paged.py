@@ -202,6 +202,11 @@ class PagedKVCache:
             recent-token ring.
         recent_window: keep each sequence's newest ``recent_window`` tokens in a ring (0 = off).
         max_seqs: ring slots (sequences that can be live at once); required with a window.
+        rotate: store K and V in a randomized-Hadamard-rotated basis (``qattn.quant.transforms.rotate_rows`` with
+            :attr:`rotation_signs`, one fixed rotation per cache, head_dim a power of two). ``qattn.write_kv``
+            rotates what it stores (pages and ring), ``qattn.flash_attn_with_kvcache`` rotates q and rotates the
+            output back, so callers see attention of the unrotated q, K, V (up to quantization error).
+        rotation_seed: seed of the random signs (``qattn.quant.transforms.rotation_signs(head_dim, seed)``).
     """
 
     def __init__(
@@ -217,7 +222,10 @@ class PagedKVCache:
         *,
         recent_window: int = 0,
         max_seqs: int = 0,
+        rotate: bool = False,
+        rotation_seed: int = 0,
         _layers: Sequence[KVLayer] | None = None,
+        _rotation_signs: torch.Tensor | None = None,
     ) -> None:
         _check_pos_int(num_layers, "num_layers")
         self.k_format, self.v_format = kv_formats(kv_format)
@@ -240,12 +248,33 @@ class PagedKVCache:
         self.ring_geometry = (
             RingGeometry(self.max_seqs, num_kv_heads, recent_window, head_dim, dtype) if recent_window else None
         )
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate: expected a bool, got {rotate!r}")
+        if isinstance(rotation_seed, bool) or not isinstance(rotation_seed, int):
+            raise TypeError(f"rotation_seed: expected an int, got {rotation_seed!r}")
+        if rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+        self.rotate = rotate
+        self.rotation_seed = rotation_seed if rotate else None
         if _layers is not None:
             self.device = torch.device(_layers[0].k_data.device)
             self._layers = list(_layers)
-            return
-        self.device = _normalize_device(device)
-        self._layers = self._allocate()
+        else:
+            self.device = _normalize_device(device)
+            self._layers = self._allocate()
+        self.rotation_signs = self._make_rotation_signs(_rotation_signs) if rotate else None
+
+    def _make_rotation_signs(self, given: torch.Tensor | None) -> torch.Tensor:
+        """The (head_dim,) fp32 ±1 vector of the cache's rotation, on the cache's device (built once here, so that
+        no later call copies from the host: write_kv and decode may run inside CUDA graphs)."""
+        from ..quant.transforms import rotation_signs
+
+        if given is None:
+            return rotation_signs(self.head_dim, self.rotation_seed).to(self.device)
+        _check_pool(given, (self.head_dim,), torch.float32, "rotation_signs")
+        if _normalize_device(given.device) != self.device:
+            raise ValueError(f"rotation_signs: expected device {self.device}, got {given.device}")
+        return given
 
     # --- construction ------------------------------------------------------------------------
     def _allocate(self) -> list[KVLayer]:
@@ -276,9 +305,15 @@ class PagedKVCache:
         head_dim: int,
         kv_format: FormatSpec,
         dtype: torch.dtype = torch.bfloat16,
+        *,
+        rotate: bool = False,
+        rotation_seed: int = 0,
+        rotation_signs: torch.Tensor | None = None,
     ) -> "PagedKVCache":
         """A cache viewing tensors the caller allocated (no copy). ``layers`` holds one :class:`KVLayer` per
-        layer; shapes, dtypes, contiguity and devices are checked against the geometry."""
+        layer; shapes, dtypes, contiguity and devices are checked against the geometry. ``rotate`` /
+        ``rotation_seed`` as in the constructor; ``rotation_signs`` optionally passes the device sign vector of
+        an existing cache (``cache.rotation_signs``) instead of building it (trusted to match the seed)."""
         if not layers:
             raise ValueError("layers: need at least one KVLayer")
         for i, lay in enumerate(layers):
@@ -292,7 +327,8 @@ class PagedKVCache:
         window = int(ring.shape[2]) if ring is not None else 0
         max_seqs = int(ring.shape[0]) if ring is not None else 0
         cache = cls(len(layers), num_blocks, page_size, num_kv_heads, head_dim, kv_format, first.k_data.device,
-                    dtype, recent_window=window, max_seqs=max_seqs, _layers=layers)
+                    dtype, recent_window=window, max_seqs=max_seqs, rotate=rotate, rotation_seed=rotation_seed,
+                    _layers=layers, _rotation_signs=rotation_signs)
         for i, lay in enumerate(layers):
             cache._check_layer(lay, f"layers[{i}]")
         return cache
@@ -340,6 +376,51 @@ class PagedKVCache:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {i!r}")
         return self._layers[i]
 
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = 1.0,
+                  positions: torch.Tensor | None = None, rope=None,
+                  k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Set ``layer``'s NVFP4 global scales (per kv head, K and V separately) from a prefill batch.
+
+        ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) are the rows that will be written, before the insert
+        transforms: the same ``positions`` / ``rope`` / ``k_mean`` as ``qattn.write_kv`` are applied (and the
+        cache's rotation), because the scale must fit what is quantized. Per head:
+        ``g = fp32(amax · headroom / (6 · 448))`` (computed in fp64, rounded once), at least ``2^-116`` so every
+        block's decode scale stays a normal fp32; a head whose rows are all zero gets ``g = 1``. Later values
+        above ``amax · headroom`` saturate (block scale 448, codes ±6): never Inf or NaN. Sides that are not
+        nvfp4 have no global scale and are left alone. Returns the (K, V) global-scale tensors that were set
+        (views into the cache; None for a non-nvfp4 side). Host-side torch: call it outside CUDA graphs.
+        """
+        from ..quant.transforms import transform_kv
+
+        lay = self.layer(layer)
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom < math.inf:
+            raise ValueError(f"headroom: expected a finite number > 0, got {headroom!r}")
+        for t, nm in ((k, "k"), (v, "v")):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{nm}: expected a floating-point torch.Tensor")
+            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim) or t.shape[0] < 1:
+                raise ValueError(f"{nm}: expected shape (num_tokens >= 1, {self.num_kv_heads}, {self.head_dim}), "
+                                 f"got {tuple(t.shape)}")
+            if _normalize_device(t.device) != self.device:
+                raise ValueError(f"{nm}: expected device {self.device}, got {t.device}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"v: {v.shape[0]} tokens but k has {k.shape[0]}")
+        kt, vt = transform_kv(k, v, positions=positions, rope=rope, k_mean=k_mean,
+                              rotation_signs=self.rotation_signs)
+        out = []
+        for x, gs in ((kt, lay.k_global_scale), (vt, lay.v_global_scale)):
+            if gs is None:
+                out.append(None)
+                continue
+            amax = x.abs().amax(dim=(0, 2)).double()  # (num_kv_heads,)
+            if not bool(torch.isfinite(amax).all()):
+                raise ValueError("calibrate: the (transformed) rows contain NaN or Inf")
+            g = (amax * float(headroom) / (6.0 * 448.0)).clamp(min=2.0**-116)
+            g = torch.where(amax > 0, g, torch.ones_like(g)).to(torch.float32)
+            gs.copy_(g)
+            out.append(gs)
+        return out[0], out[1]
+
     @property
     def kv_format(self):
         return self.k_format if self.k_format == self.v_format else (self.k_format, self.v_format)
@@ -386,6 +467,8 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         ring = f", recent_window={self.recent_window}, max_seqs={self.max_seqs}" if self.recent_window else ""
+        if self.rotate:
+            ring += f", rotate=True, rotation_seed={self.rotation_seed}"
         return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, page_size={self.page_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, k={self.k_format!r}, "
                 f"v={self.v_format!r}, device={self.device}{ring})")

@@ -10,15 +10,27 @@ Both are *exact* in real arithmetic and change only how well K and V quantize:
   and the attention output is rotated back once with ``R^T`` (``softmax · (V R) · R^T = softmax · V``). Rotation
   spreads outlier channels over all of head_dim, which is what 4-bit block scales need (QuaRot, TurboQuant).
 
-The order of the insert-side pipeline, which the fused insert kernels must reproduce bit for bit, is::
+The order of the insert-side pipeline, which the fused insert kernel (``qattn.write_kv``) reproduces bit for
+bit (:func:`transform_kv` is its reference), is::
 
-    k  (post-RoPE, widened to fp32)
-    k1 = k - mean                     # one fp32 subtraction per element        (smoothing on)
-    k2 = rotate(k1, signs)            # fast Walsh-Hadamard transform, see below (rotation on)
+    x  = fp32(k)                      # exact widening of bf16 / fp16
+    x  = apply_rope(x, positions)     # optional, see RoPE below                   (rope given)
+    k1 = x - mean                     # one fp32 subtraction per element            (k_mean given)
+    k2 = rotate(k1, signs)            # fast Walsh-Hadamard transform, see below    (cache.rotate)
     payload, scales = quantize(k2, fmt, global_scale)   # qattn.quant.reference
 
-and likewise for values (rotation only) and queries (rotation only, with the same ``signs``); the decode
-output is mapped back with :func:`unrotate`. The global scale of an NVFP4 cache is calibrated on the
+and likewise for values (rotation only) and queries (rotation only, with the same ``signs``: done by
+``qattn.flash_attn_with_kvcache`` with :func:`rotate_query`); the decode output is mapped back with
+:func:`unrotate_output`.
+
+**RoPE** (:class:`RoPE`). ``cos_sin_cache`` is (max_position, rotary_dim) fp32, cos in the first rotary_dim / 2
+columns and sin in the last (vLLM's layout); it is built once on the host (:meth:`RoPE.from_theta`), so the
+kernel and this reference read the same fp32 cos / sin. Pairs: NeoX ``(i, i + rotary_dim / 2)``, GPT-J
+``(2i, 2i + 1)``, frequency index ``i``; channels ``>= rotary_dim`` are untouched. Per pair ``(x1, x2)``, with
+every product rounded on its own (no fused multiply-add on either side)::
+
+    x1' = x1 * cos - x2 * sin
+    x2' = x2 * cos + x1 * sin The global scale of an NVFP4 cache is calibrated on the
 *transformed* tensor (``k2``), since that is what gets quantized.
 
 **Exact arithmetic of the rotation.** :func:`rotate` is not a matrix product (whose fp32 summation order is
@@ -32,18 +44,30 @@ seed)`` up to fp32 rounding of the summation. :func:`unrotate` computes ``y @ R^
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 __all__ = [
+    "RoPE",
+    "ROPE_STYLES",
+    "apply_rope",
     "hadamard_matrix",
     "rotation_signs",
     "hadamard_rotation",
     "rotate",
     "unrotate",
+    "rotate_rows",
+    "unrotate_rows",
+    "rotate_query",
+    "unrotate_output",
     "key_channel_mean",
     "smooth_keys",
+    "transform_kv",
 ]
+
+ROPE_STYLES = ("neox", "gptj")
 
 
 def _check_pow2(d: int, name: str = "head_dim") -> None:
@@ -120,19 +144,156 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """
     d = x.shape[-1]
     _check_pow2(d, "x.shape[-1]")
-    dt = _rot_dtype(x)
-    s = rotation_signs(d, seed).to(device=x.device, dtype=dt)
-    y = _fwht(x.to(dt))
-    return (y * s) * _scale_const(d, dt).to(x.device)
+    return rotate_rows(x, rotation_signs(d, seed).to(x.device))
 
 
 def unrotate(y: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``y @ hadamard_rotation(d, seed).T = FWHT(y * s) * fp32(1/sqrt(d))``."""
     d = y.shape[-1]
     _check_pow2(d, "y.shape[-1]")
+    return unrotate_rows(y, rotation_signs(d, seed).to(y.device))
+
+
+def rotate_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` given the sign vector ``signs`` (head_dim,) instead of a seed: ``(FWHT(x) * s) * c``.
+
+    No random generator runs here, so torch.compile traces it (decode rotates q with the cache's stored signs).
+    Inputs are widened to fp32 (fp64 stays fp64); returns that dtype.
+    """
+    d = x.shape[-1]
+    dt = _rot_dtype(x)
+    y = _fwht(x.to(dt))
+    return (y * signs.to(device=x.device, dtype=dt)) * _scale_const(d, dt).to(x.device)
+
+
+def unrotate_rows(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate_rows`: ``FWHT(y * s) * c``."""
+    d = y.shape[-1]
     dt = _rot_dtype(y)
-    s = rotation_signs(d, seed).to(device=y.device, dtype=dt)
-    return _fwht(y.to(dt) * s) * _scale_const(d, dt).to(y.device)
+    return _fwht(y.to(dt) * signs.to(device=y.device, dtype=dt)) * _scale_const(d, dt).to(y.device)
+
+
+def rotate_query(q: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Queries in the rotated basis of a cache with ``rotate=True``, in q's dtype: ``(q R)`` so that
+    ``(q R) · (k R) = q · k``. The pre-step of ``qattn.flash_attn_with_kvcache`` on a rotated cache."""
+    return rotate_rows(q, signs).to(q.dtype)
+
+
+def unrotate_output(o: torch.Tensor, signs: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention output back from the rotated basis (``o R^T``), in o's dtype; written into ``out`` when given.
+    The post-step of ``qattn.flash_attn_with_kvcache`` on a rotated cache."""
+    y = unrotate_rows(o, signs).to(o.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class RoPE:
+    """Rotary position embedding of keys, applied by ``qattn.write_kv`` before smoothing, rotation and quantization.
+
+    ``cos_sin_cache`` (max_position, rotary_dim) fp32, contiguous: ``cos`` in columns ``[0, rotary_dim / 2)``,
+    ``sin`` in ``[rotary_dim / 2, rotary_dim)`` (vLLM's layout), row = token position. ``style``: ``"neox"`` pairs
+    channels ``(i, i + rotary_dim / 2)`` (rotate-half, Llama / NeoX), ``"gptj"`` pairs ``(2i, 2i + 1)``
+    (interleaved); pair ``i`` uses column ``i``. ``rotary_dim <= head_dim``; channels from rotary_dim on are left
+    untouched (partial rotary). Bring your model's own cache, or build one with :meth:`from_theta`. The tensor must
+    live on the cache's device for ``qattn.write_kv``.
+    """
+
+    cos_sin_cache: torch.Tensor
+    style: str = "neox"
+
+    def __post_init__(self) -> None:
+        t = self.cos_sin_cache
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cos_sin_cache: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"cos_sin_cache: expected dtype torch.float32, got {t.dtype}")
+        if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] < 2 or t.shape[1] % 2:
+            raise ValueError(f"cos_sin_cache: expected shape (max_position >= 1, even rotary_dim >= 2), "
+                             f"got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError("cos_sin_cache: must be contiguous")
+        if self.style not in ROPE_STYLES:
+            raise ValueError(f"style: expected one of {ROPE_STYLES}, got {self.style!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.cos_sin_cache.shape[1])
+
+    @property
+    def max_position(self) -> int:
+        return int(self.cos_sin_cache.shape[0])
+
+    @classmethod
+    def from_theta(cls, theta: float, rotary_dim: int, max_position: int, style: str = "neox",
+                   device: torch.device | str = "cpu") -> "RoPE":
+        """The standard RoPE table: ``inv_freq_i = theta ** (-2i / rotary_dim)``, angle ``= position * inv_freq_i``,
+        cos and sin computed in fp64 and rounded once to fp32 (on the host, once; then moved to ``device``)."""
+        if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim: expected an even int >= 2, got {rotary_dim!r}")
+        if not isinstance(max_position, int) or max_position < 1:
+            raise ValueError(f"max_position: expected an int >= 1, got {max_position!r}")
+        if not float(theta) > 0:
+            raise ValueError(f"theta: expected a positive number, got {theta!r}")
+        inv_freq = float(theta) ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        table = torch.cat((angles.cos(), angles.sin()), dim=1).to(torch.float32)
+        return cls(table.to(device).contiguous(), style)
+
+    def to(self, device: torch.device | str) -> "RoPE":
+        return RoPE(self.cos_sin_cache.to(device).contiguous(), self.style)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Tensor:
+    """RoPE on ``x`` (num_tokens, num_heads, head_dim) at ``positions`` (num_tokens,) int, exactly as the insert
+    kernel: fp32, ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` with each product rounded (separate torch
+    ops, so no fused multiply-add). Returns fp32; channels from rotary_dim on are copied unchanged."""
+    if not isinstance(rope, RoPE):
+        raise TypeError(f"rope: expected a qattn.RoPE, got {type(rope).__name__}")
+    rd, half = rope.rotary_dim, rope.rotary_dim // 2
+    if x.dim() != 3 or rd > x.shape[-1]:
+        raise ValueError(f"rope: rotary_dim {rd} does not fit x of shape {tuple(x.shape)} (tokens, heads, head_dim)")
+    pos = positions.long()
+    if pos.numel() and bool(((pos < 0) | (pos >= rope.max_position)).any()):
+        raise ValueError(f"positions: values must be in [0, {rope.max_position}) (the RoPE table's rows)")
+    x = x.float().clone()
+    cs = rope.cos_sin_cache.to(x.device)[pos]  # (T, rd)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    if rope.style == "neox":
+        x1, x2 = x[..., :half], x[..., half:rd]
+    else:
+        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if rope.style == "neox":
+        x[..., :half], x[..., half:rd] = o1, o2
+    else:
+        x[..., 0:rd:2], x[..., 1:rd:2] = o1, o2
+    return x
+
+
+def transform_kv(k: torch.Tensor, v: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
+                 rope: Optional[RoPE] = None, k_mean: Optional[torch.Tensor] = None,
+                 rotation_signs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The insert-side transforms (module docstring order), fp32 in and out: ``k`` -> RoPE -> minus ``k_mean``
+    (num_kv_heads, head_dim) -> rotation; ``v`` -> rotation. ``k``, ``v``: (num_tokens, num_kv_heads, head_dim).
+    What ``qattn.write_kv`` quantizes (and stores in the ring): the reference of the fused kernel."""
+    x = k.float()
+    if rope is not None:
+        if positions is None:
+            raise ValueError("positions: RoPE needs each token's position")
+        x = apply_rope(x, positions, rope)
+    if k_mean is not None:
+        x = x - k_mean.to(device=x.device, dtype=torch.float32)
+    y = v.float()
+    if rotation_signs is not None:
+        x, y = rotate_rows(x, rotation_signs), rotate_rows(y, rotation_signs)
+    return x, y
 
 
 def key_channel_mean(k: torch.Tensor, token_dim: int = 0) -> torch.Tensor:

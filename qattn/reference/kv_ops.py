@@ -10,6 +10,7 @@ import torch
 
 from ..layouts.paged import PagedKVCache
 from ..quant.reference import dequantize, quantize
+from ..quant.transforms import RoPE, apply_rope, transform_kv
 
 
 def _check_int_vector(t, n: int | None, name: str, device) -> torch.Tensor:
@@ -48,8 +49,15 @@ def write_kv_reference(
     *,
     seq_slots: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    rope: RoPE | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> None:
     """Quantize ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) and store them in their slots.
+
+    Before quantization the insert transforms run in fp32, in this order (``qattn.quant.transforms.transform_kv``):
+    RoPE on K (``rope``, a :class:`qattn.RoPE`, at ``positions``), minus ``k_mean`` (num_kv_heads, head_dim) fp32
+    on K, and the cache's Hadamard rotation on K and V (``cache.rotate``). The ring, too, receives the
+    transformed rows (rounded to the cache's dtype): exactly what decode reads, so decode needs no special case.
 
     ``slot_mapping[t] = block * page_size + offset``; -1 skips the token (padding). Slots must be distinct.
     For a cache with a recent-token window, ``seq_slots[t]`` (ring slot of the token's sequence) and
@@ -70,6 +78,19 @@ def write_kv_reference(
     if kept.numel() != torch.unique(kept).numel():
         raise ValueError("slot_mapping: the same slot appears twice")
     blk, off = kept // cache.page_size, kept % cache.page_size
+    if rope is not None and positions is None:
+        raise ValueError("positions: RoPE needs each token's position")
+    if k_mean is not None:
+        if not isinstance(k_mean, torch.Tensor) or k_mean.dtype != torch.float32:
+            raise TypeError("k_mean: expected a float32 torch.Tensor")
+        if tuple(k_mean.shape) != (cache.num_kv_heads, cache.head_dim):
+            raise ValueError(f"k_mean: expected shape ({cache.num_kv_heads}, {cache.head_dim}), "
+                             f"got {tuple(k_mean.shape)}")
+    pos_all = None if positions is None else _check_int_vector(positions, n, "positions", cache.device)
+    if rope is not None:  # skipped tokens' positions are never read
+        rope = rope.to(cache.device)
+        k = apply_rope(k.float(), torch.where(keep, pos_all, 0), rope)
+    k, v = transform_kv(k, v, k_mean=k_mean, rotation_signs=cache.rotation_signs)
 
     for x, fmt, data, scale_pool, gscale in (
         (k, cache.k_format, lay.k_data, lay.k_scale_pool, lay.k_global_scale),
@@ -83,8 +104,10 @@ def write_kv_reference(
 
     if cache.recent_window:
         _write_ring(cache, lay, k, v, keep, seq_slots, positions)
-    elif seq_slots is not None or positions is not None:
-        raise ValueError("seq_slots: the cache has no recent window; pass neither seq_slots nor positions")
+    elif seq_slots is not None:
+        raise ValueError("seq_slots: the cache has no recent window; pass no seq_slots")
+    elif positions is not None and rope is None:
+        raise ValueError("positions: the cache has no recent window and no RoPE is applied; pass no positions")
 
 
 def _write_ring(cache: PagedKVCache, lay, k, v, keep, seq_slots, positions) -> None:

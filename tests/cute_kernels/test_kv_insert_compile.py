@@ -124,3 +124,82 @@ def test_variants_registered():
     assert "kv_insert" in variants.kinds() and "kv_flatten" in variants.kinds()
     vs = variants.enumerate_variants("kv_insert", "sm_90a", kv_formats=["nvfp4", "mxfp4"], head_dims=[128])
     assert [v.label for v in vs] == ["nvfp4 D128", "mxfp4 floor D128", "mxfp4 rceil D128"]
+
+
+# ------------------------------------------------------------------------------------------------
+# insert transforms: RoPE (NeoX / GPT-J, partial), K smoothing, Hadamard rotation
+# ------------------------------------------------------------------------------------------------
+TRANSFORM_CASES = [  # K format, V format, head_dim, ring, transforms
+    (("nvfp4", None), ("nvfp4", None), 128, False, dict(rope_style="neox", rotary_dim=128, smooth=True, rotate=True)),
+    (("mxfp4", "rceil"), ("int8", None), 128, True, dict(rope_style="neox", rotary_dim=80, rotate=True)),
+    (("bf16", None), ("fp8", None), 64, True, dict(rope_style="gptj", rotary_dim=32, smooth=True)),
+    (("fp8", None), ("mxfp4_b16", "floor"), 256, False, dict(rope_style="neox", rotary_dim=256, rotate=True)),
+    (("int8", None), ("bf16", None), 64, False, dict(smooth=True, rotate=True)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _transform_ptx(case_index, arch):
+    from qattn.cute_kernels import compile_utils, kv_insert
+
+    kspec, vspec, head_dim, ring, tr = TRANSFORM_CASES[case_index]
+    cfg, args = kv_insert.make_insert_compile_args(_f(kspec), _f(vspec), head_dim, True, ring, True, **tr)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    return ptx
+
+
+def _expected_shuffles(kspec, vspec, head_dim, tr):
+    from qattn.cute_kernels.kv_insert import neox_partner_plan
+
+    E = 32 if head_dim % 32 == 0 else 16
+    G = head_dim // E
+    n = 0
+    if tr.get("rope_style") == "neox":
+        for lo_loc, lo_off, hi_loc, hi_off in neox_partner_plan(E, tr["rotary_dim"] // 2):
+            n += 1 if lo_loc == hi_loc else int(lo_off != 0) + int(hi_off != 0)
+    if tr.get("rotate"):
+        n += 2 * E * (G.bit_length() - 1)  # butterfly steps across lanes, K and V
+    for spec in (kspec, vspec):
+        if spec[0] in ("fp8", "int8"):
+            n += G.bit_length() - 1  # the per-row amax
+    return n
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", range(len(TRANSFORM_CASES)))
+def test_transform_variants_compile(case, arch):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+
+    kspec, vspec, head_dim, ring, tr = TRANSFORM_CASES[case]
+    ptx = _transform_ptx(case, arch)
+    _common(ptx, arch)
+    # no fused multiply-add anywhere in fp32: the reference rounds every product (transforms use mul.rn / add.rn
+    # / sub.rn inline PTX, which ptxas never contracts)
+    assert not ptx_has(ptx, r"\bfma\.\w*\.?f32\b"), "fp32 fma in the insert kernel"
+    assert ptx_count(ptx, r"\bshfl\.sync") == _expected_shuffles(kspec, vspec, head_dim, tr)
+    assert ptx_has(ptx, r"\bmul\.rn\.f32\b")
+    if tr.get("rope_style") or tr.get("smooth"):
+        assert ptx_has(ptx, r"\bsub\.rn\.f32\b")
+    # inputs stay 16-byte loads (4 per thread for K and V when head_dim % 32 == 0)
+    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") >= 8
+
+
+def test_transform_key_and_validation():
+    from qattn.cute_kernels.kv_insert import KVInsert
+
+    base = KVInsert("nvfp4", "nvfp4", 128)
+    variants = [KVInsert("nvfp4", "nvfp4", 128, rope_style="neox", rotary_dim=128),
+                KVInsert("nvfp4", "nvfp4", 128, rope_style="gptj", rotary_dim=128),
+                KVInsert("nvfp4", "nvfp4", 128, rope_style="neox", rotary_dim=64),
+                KVInsert("nvfp4", "nvfp4", 128, smooth=True),
+                KVInsert("nvfp4", "nvfp4", 128, rotate=True)]
+    keys = {base.key} | {c.key for c in variants}
+    assert len(keys) == 6  # every flag is part of the compile-cache key
+    with pytest.raises(ValueError, match="rope_style"):
+        KVInsert("nvfp4", "nvfp4", 128, rope_style="llama", rotary_dim=128)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        KVInsert("nvfp4", "nvfp4", 128, rope_style="neox", rotary_dim=130)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        KVInsert("nvfp4", "nvfp4", 128, rope_style="neox", rotary_dim=63)
+    with pytest.raises(ValueError, match="power of two"):
+        KVInsert("fp8", "fp8", 48, rotate=True)

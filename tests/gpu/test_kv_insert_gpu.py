@@ -39,9 +39,10 @@ def _tensors(cache):
     return out
 
 
-def _make_cache(kf, vf, head_dim, page, num_blocks, H, gen, *, window=0, max_seqs=0, dtype=torch.bfloat16):
+def _make_cache(kf, vf, head_dim, page, num_blocks, H, gen, *, window=0, max_seqs=0, dtype=torch.bfloat16,
+                rotate=False):
     cache = PagedKVCache(1, num_blocks, page, H, head_dim, (kf, vf), device="cuda:0", dtype=dtype,
-                         recent_window=window, max_seqs=max_seqs)
+                         recent_window=window, max_seqs=max_seqs, rotate=rotate, rotation_seed=5)
     for t in _tensors(cache):  # poison
         b = t.view(torch.uint8)
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).cuda())
@@ -61,7 +62,7 @@ def _cpu_twin(cache):
     layer = KVLayer(c(lay.k_data), c(lay.v_data), c(lay.k_scale_pool), c(lay.v_scale_pool), c(lay.k_global_scale),
                     c(lay.v_global_scale), c(lay.k_ring), c(lay.v_ring))
     return PagedKVCache.from_tensors([layer], cache.page_size, cache.head_dim, (cache.k_format, cache.v_format),
-                                     cache.dtype)
+                                     cache.dtype, rotate=cache.rotate, rotation_seed=cache.rotation_seed or 0)
 
 
 def _inputs(n, H, D, gen, dtype=torch.bfloat16):
@@ -89,13 +90,16 @@ def _assert_same(cache, ref):
             raise AssertionError(f"{nm}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}")
 
 
-def _write_both(cache, k, v, slots, seq_slots=None, positions=None, check=False):
+def _write_both(cache, k, v, slots, seq_slots=None, positions=None, check=False, rope=None, k_mean=None):
     ref = _cpu_twin(cache)
-    qattn.write_kv(cache, 0, k, v, slots, seq_slots=seq_slots, positions=positions, check=check)
+    qattn.write_kv(cache, 0, k, v, slots, seq_slots=seq_slots, positions=positions, check=check, rope=rope,
+                   k_mean=k_mean)
     torch.cuda.synchronize()
     write_kv_reference(ref, 0, k.cpu(), v.cpu(), slots.cpu(),
                        seq_slots=None if seq_slots is None else seq_slots.cpu(),
-                       positions=None if positions is None else positions.cpu())
+                       positions=None if positions is None else positions.cpu(),
+                       rope=None if rope is None else rope.to("cpu"),
+                       k_mean=None if k_mean is None else k_mean.cpu())
     _assert_same(cache, ref)
     return ref
 
@@ -274,6 +278,175 @@ def test_inspect_kv():
     assert torch.equal(info["k"]["values"], want_k) and torch.equal(info["v"]["values"], want_v)
     assert info["k"]["payload"].numel() == 32 and info["k"]["scales"].numel() == 4
     assert info["k"]["data_offset"] == cache.k_geometry.data_offset(1, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# insert transforms: RoPE (NeoX / GPT-J, partial rotary), K smoothing, cache rotation
+# ------------------------------------------------------------------------------------------------
+def _transform_cases(head_dim):
+    """(id, rope style or None, rotary_dim, smoothing, rotation). The partial NeoX rotary_dim puts pair
+    partners in a different lane at a different register (half not a multiple of 32)."""
+    odd = {64: 48, 128: 80}[head_dim]
+    return [
+        ("rope-neox", "neox", head_dim, False, False),
+        ("rope-gptj-partial+smooth", "gptj", head_dim // 2, True, False),
+        ("rotate", None, 0, False, True),
+        ("rope-neox-partial+smooth+rotate", "neox", odd, True, True),
+    ]
+
+
+TRANSFORM_IDS = [c[0] for c in _transform_cases(64)]
+
+
+def _transform_args(case, H, D, n, gen, max_position=70000):
+    _, style, rd, smooth, _ = case
+    rope = qattn.RoPE.from_theta(10000.0, rd, max_position, style, device="cuda") if style else None
+    positions = torch.randint(0, max_position, (n,), generator=gen).cuda() if style else None
+    k_mean = (torch.randn(H, D, generator=gen) * 3).cuda() if smooth else None
+    return rope, positions, k_mean
+
+
+@pytest.mark.parametrize("case_index", range(4), ids=TRANSFORM_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-{f[1]}")
+def test_write_with_transforms(fmt, head_dim, case_index):
+    """Kernel bytes == reference bytes with the fused transforms; slots in random order, -1 slots untouched."""
+    case = _transform_cases(head_dim)[case_index]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((fmt, head_dim, case)).encode()))
+    f = _fmt(*fmt)
+    H, nb, page, n = 4, 40, 16, 333
+    cache = _make_cache(f, f, head_dim, page, nb, H, gen, rotate=case[4])
+    k, v = _inputs(n, H, head_dim, gen)
+    rope, positions, k_mean = _transform_args(case, H, head_dim, n, gen)
+    _write_both(cache, k, v, _random_slots(n, nb * page, gen), positions=positions, rope=rope, k_mean=k_mean)
+
+
+@pytest.mark.parametrize("pair", [("int8", "nvfp4"), ("nvfp4", "fp8"), ("bf16", "mxfp4_b16")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_with_transforms_ring_and_mixed(pair, dtype):
+    """Ring caches receive the transformed rows (fp16 input into a bf16 ring and vice versa), mixed formats,
+    head_dim 256 and 32 too."""
+    gen = torch.Generator().manual_seed(21)
+    for D, case in ((128, ("all", "neox", 128, True, True)), (256, ("all", "gptj", 200, True, True)),
+                    (32, ("all", "neox", 16, False, True))):
+        kf, vf = _fmt(pair[0]), _fmt(pair[1])
+        if D == 32 and (kf.scale_block == 32 or vf.scale_block == 32):
+            continue
+        H, page, W = 2, 16, 16
+        lens, starts = [5, 40, 17], [0, 7, 100]
+        tables = _seq_layout([s + L for s, L in zip(starts, lens)], page, 64, gen)
+        cache = _make_cache(kf, vf, D, page, 64, H, gen, window=W, max_seqs=4, rotate=True,
+                            dtype=torch.bfloat16 if dtype == torch.float16 else torch.float16)
+        slots, seqs, pos = [], [], []
+        for i, (s, L) in enumerate(zip(starts, lens)):
+            p = torch.arange(s, s + L)
+            slots.append(tables[i][p // page] * page + p % page)
+            seqs.append(torch.full((L,), i + 1))
+            pos.append(p)
+        slots, seqs, pos = torch.cat(slots), torch.cat(seqs), torch.cat(pos)
+        k, v = _inputs(slots.numel(), H, D, gen, dtype)
+        rope = qattn.RoPE.from_theta(10000.0, case[2], 512, case[1], device="cuda")
+        k_mean = (torch.randn(H, D, generator=gen) * 3).cuda() if case[3] else None
+        _write_both(cache, k, v, slots.cuda(), seqs.cuda(), pos.cuda(), check=True, rope=rope, k_mean=k_mean)
+
+
+def test_calibrate_then_overflow_saturates():
+    """NVFP4 global scales calibrated on a prefill batch (after the transforms); later values 100x larger
+    saturate to the top codes, equal to the reference, and decode to finite values."""
+    gen = torch.Generator().manual_seed(23)
+    H, D, page, nb, n = 4, 128, 16, 32, 200
+    cache = _make_cache(_fmt("nvfp4"), _fmt("nvfp4"), D, page, nb, H, gen, rotate=True)
+    k, v = _inputs(n, H, D, gen)
+    rope = qattn.RoPE.from_theta(10000.0, 128, 4096, "neox", device="cuda")
+    pos = torch.arange(n).cuda()
+    cache.calibrate(0, k, v, headroom=1.0, positions=pos, rope=rope)
+    big_k, big_v = (k.float() * 100).to(torch.bfloat16), (v.float() * 100).to(torch.bfloat16)
+    slots = _random_slots(n, nb * page, gen, skip=0.0)
+    _write_both(cache, big_k, big_v, slots, positions=pos, rope=rope)
+    from qattn.quant.reference import dequantize
+
+    lay = cache.layer(0)
+    blk, off = slots // page, slots % page
+    for data, sp, gs in ((lay.k_data, lay.k_scale_pool, lay.k_global_scale),
+                         (lay.v_data, lay.v_scale_pool, lay.v_global_scale)):
+        x = dequantize(data[blk, :, off], sp[blk, :, off], cache.k_format, gs)  # the written rows only
+        assert bool(torch.isfinite(x).all())
+        assert float(x.abs().max()) <= 6 * 448 * float(gs.max()) * (1 + 1e-6)
+        assert bool((sp[blk, :, off] == 0x7E).any())  # saturated block scales (448)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", ("int8", "mxfp4")])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_over_rotated_cache(fmt, head_dim):
+    """flash_attn_with_kvcache on a rotated cache (q rotated before, output rotated back) equals the fp64
+    reference decode of the same cache (kernel error) and unrotated attention over the unquantized roped K, V
+    (format error)."""
+    from qattn.quant.transforms import apply_rope, rotate_query, unrotate_rows
+    from qattn.reference.attention import attention_reference, paged_decode_reference
+
+    gen = torch.Generator().manual_seed(27)
+    H, group, page = 2, 4, 16
+    lens = [1, 37, 300]
+    nb = sum(-(-L // page) for L in lens) + 2
+    f = (_fmt(fmt[0]), _fmt(fmt[1])) if isinstance(fmt, tuple) else (_fmt(fmt), _fmt(fmt))
+    cache = _make_cache(*f, head_dim, page, nb, H, gen, rotate=True)
+    tables = _seq_layout(lens, page, nb, gen)
+    bt = torch.zeros(len(lens), max(len(t) for t in tables), dtype=torch.int32)
+    rope = qattn.RoPE.from_theta(10000.0, head_dim, 1024, "neox", device="cuda")
+    Lmax = max(lens)
+    k_all = torch.zeros(len(lens), Lmax, H, head_dim)
+    v_all = torch.zeros(len(lens), Lmax, H, head_dim)
+    ks, vs = [], []
+    for L in lens:
+        k = torch.randn(L, H, head_dim, generator=gen)
+        k[:, :, 3] += 4.0
+        ks.append(k.to(torch.bfloat16))
+        vs.append(torch.randn(L, H, head_dim, generator=gen).to(torch.bfloat16))
+    # global scales first (from the longest sequence, a "prefill batch"), then every write
+    cache.calibrate(0, ks[2].cuda(), vs[2].cuda(), headroom=1.25, positions=torch.arange(lens[2]).cuda(), rope=rope)
+    for b, L in enumerate(lens):
+        bt[b, :len(tables[b])] = tables[b]
+        k, v = ks[b], vs[b]
+        pos = torch.arange(L)
+        slots = tables[b][pos // page] * page + pos % page
+        qattn.write_kv(cache, 0, k.cuda(), v.cuda(), slots.cuda(), positions=pos.cuda(), rope=rope)
+        k_all[b, :L] = apply_rope(k, pos, rope.to("cpu"))
+        v_all[b, :L] = v.float()
+    q = torch.randn(len(lens), 1, H * group, head_dim, generator=gen).to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    out, lse = qattn.flash_attn_with_kvcache(q.cuda(), cache, lens_t.cuda(), bt.cuda(), return_lse=True)
+    buf = torch.empty_like(q).cuda()
+    out2 = qattn.flash_attn_with_kvcache(q.cuda(), cache, lens_t.cuda(), bt.cuda(), out=buf)
+    assert out2 is buf and torch.equal(out2, out)
+    torch.cuda.synchronize()
+    assert out.dtype == q.dtype and bool(torch.isfinite(out).all())
+    s = cache.rotation_signs.cpu()
+    ref_cache = _cpu_twin(cache)
+    ref_rot, ref_lse = paged_decode_reference(rotate_query(q, s), ref_cache, lens_t, bt, return_lse=True)
+    ref = unrotate_rows(ref_rot, s)
+    kernel_err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert kernel_err < 1e-2, kernel_err
+    assert (lse.cpu().double() - ref_lse).abs().max() < 2e-2
+    want = attention_reference(q, k_all, v_all, causal=True, kv_lens=lens_t)
+    fmt_err = float((out.cpu().double() - want).norm() / want.norm())
+    assert fmt_err < {"nvfp4": 0.2, "fp8": 0.06}.get(fmt if isinstance(fmt, str) else "x", 0.25), fmt_err
+
+
+def test_transform_check_mode_errors():
+    gen = torch.Generator().manual_seed(25)
+    cache = _make_cache(_fmt("nvfp4"), _fmt("nvfp4"), 64, 16, 8, 2, gen)
+    k, v = _inputs(6, 2, 64, gen)
+    rope = qattn.RoPE.from_theta(10000.0, 64, 16, device="cuda")
+    with pytest.raises(ValueError, match="positions"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(6).cuda(), rope=rope)
+    with pytest.raises(ValueError, match="positions"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(6).cuda(), rope=rope, positions=torch.arange(12, 18).cuda(),
+                       check=True)
+    with pytest.raises(ValueError, match="k_mean"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(6).cuda(), k_mean=torch.zeros(2, 64))  # on the CPU
+    with pytest.raises(ValueError, match="rotary_dim"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(6).cuda(), positions=torch.arange(6).cuda(),
+                       rope=qattn.RoPE.from_theta(10000.0, 128, 16, device="cuda"))
 
 
 def _memcheck_case():
