@@ -5,21 +5,14 @@ from .layouts import FORMAT_NAMES, KVFormat, KVFormatPair, KVLayer, PagedKVCache
 from .reference import flatten_kv_reference, write_kv_reference
 from .interface.decode import flash_attn_with_kvcache
 from .interface.kv_cache_ops import flatten_kv, inspect_kv, write_kv
-<<<<<<< HEAD
 from .interface.prefill import flash_attn_func, flash_attn_varlen_func
-=======
 from .quant.transforms import RoPE
->>>>>>> wip-insert
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_NAMES", "KVFormat", "KVFormatPair", "KVLayer", "PagedKVCache", "kv_format", "kv_formats",
-<<<<<<< HEAD
-    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "flash_attn_with_kvcache", "flash_attn_func",
-    "flash_attn_varlen_func", "quant", "reference",
-=======
-    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "flash_attn_with_kvcache", "RoPE", "quant", "reference",
->>>>>>> wip-insert
+    "flatten_kv_reference", "write_kv_reference", "write_kv", "flatten_kv", "inspect_kv", "RoPE",
+    "flash_attn_with_kvcache", "flash_attn_func", "flash_attn_varlen_func", "quant", "reference",
     "__version__",
 ]
