@@ -54,6 +54,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 import torch
 
 from qattn.cute_kernels.common import fp4
+from qattn.interface.fast_launch import fast
 from qattn.interface.variants import Variant, cache_for, register
 from qattn.layouts.formats import KVFormat, kv_format
 from qattn.quant.transforms import ROPE_STYLES, _scale_const
@@ -597,10 +598,6 @@ def _compiled(cfg: KVInsert, arch: str):
     return cache_for("kv_insert").get(("kv_insert", arch) + cfg.key, build)
 
 
-def _ptr(dtype, t, align: int):
-    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
 def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, lay, num_blocks: int,
                   page_size: int, window: int, max_seqs: int, cos_sin=None, k_mean=None, rot_signs=None) -> None:
     """Launch on torch's current stream. Tensors must already be validated (kv_cache_ops.write_kv).
@@ -613,31 +610,19 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
         return
     any16 = k  # a 16-byte aligned tensor for unused pointer slots
 
-    def scale_ptr(t, fmt):
-        if t is None:
-            return _ptr(Uint8, any16, 4)
-        return _ptr(Float32 if not fmt.scale_block else Uint8, t, 4)
-
     gk = lay.k_global_scale if lay.k_global_scale is not None else any16
     gv = lay.v_global_scale if lay.v_global_scale is not None else any16
     kr = lay.k_ring if lay.k_ring is not None else any16
     vr = lay.v_ring if lay.v_ring is not None else any16
     seqs = seq_slots if seq_slots is not None else slots
     pos = positions if positions is not None else slots
-    ptrs = (
-        _ptr(Uint32, k, 16), _ptr(Uint32, v, 16), _ptr(Int64, slots, 8), _ptr(Int64, seqs, 8), _ptr(Int64, pos, 8),
-        _ptr(Uint32, lay.k_data, 16), scale_ptr(lay.k_scale_pool, cfg.k.fmt), _ptr(Float32, gk, 4),
-        _ptr(Uint32, lay.v_data, 16), scale_ptr(lay.v_scale_pool, cfg.v.fmt), _ptr(Float32, gv, 4),
-        _ptr(Uint32, kr, 16), _ptr(Uint32, vr, 16),
-        _ptr(Float32, cos_sin if cos_sin is not None else any16, 4),
-        _ptr(Float32, k_mean if k_mean is not None else any16, 16),
-        _ptr(Float32, rot_signs if rot_signs is not None else any16, 16),
-    )
+    # raw addresses; each pointer's dtype and alignment are compile-time facts of the kernel (see _fake_args)
+    ptrs = tuple((t if t is not None else any16).data_ptr() for t in (
+        k, v, slots, seqs, pos, lay.k_data, lay.k_scale_pool, gk, lay.v_data, lay.v_scale_pool, gv, kr, vr,
+        cos_sin, k_mean, rot_signs))
     max_position = int(cos_sin.shape[0]) if cos_sin is not None else 1
-    fn = _compiled(cfg, arch)
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    fn(*ptrs, Int32(T_), Int32(H), Int32(page_size), Int32(max(window, 1)), Int32(num_blocks * H * page_size),
-       Int32(max_seqs * H * max(window, 1)), Int32(max_position), stream)
+    fast(_compiled(cfg, arch))(*ptrs, T_, H, page_size, max(window, 1), num_blocks * H * page_size,
+                               max_seqs * H * max(window, 1), max_position, torch.cuda.current_stream().cuda_stream)
 
 
 # ==================================================================================================

@@ -16,6 +16,7 @@ import torch
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import rotate_query, unrotate_output
 from .torch_ops import paged_decode_traced  # registers the custom ops
+from .fast_launch import fast
 from .variants import cache_for
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
@@ -193,9 +194,6 @@ def _flash_attn_with_kvcache_eager(
             raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
     arch = _check_arch(q.device)
 
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32, Int64
-
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
 
     dev = q.device
@@ -215,25 +213,24 @@ def _flash_attn_with_kvcache_eager(
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
 
     def addr(t):
-        return Int64(0 if t is None else t.data_ptr())
+        return 0 if t is None else t.data_ptr()
 
     with torch.cuda.device(dev):
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        stream = torch.cuda.current_stream(dev).cuda_stream
         if split:
             o_part = torch.empty((num_splits, B, Sq, Hq, D), dtype=torch.float32, device=dev)
             l_part = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=dev)
             o_dst, l_dst = o_part, l_part
         else:
             o_dst, l_dst = out, lse
-        kern(addr(q), addr(lay.k_data), addr(lay.k_scale_pool), addr(lay.k_global_scale),
-             addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
-             addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
-             addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots),
-             Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks),
-             Int32(num_splits), Int32(max(cache.max_seqs, 1)), Float32(softmax_scale * math.log2(math.e)), stream)
+        fast(kern)(addr(q), addr(lay.k_data), addr(lay.k_scale_pool), addr(lay.k_global_scale),
+                   addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
+                   addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
+                   addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots),
+                   B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
+                   softmax_scale * math.log2(math.e), stream)
         if split:
-            comb(addr(o_part), addr(l_part), addr(out), addr(lse), Int32(B), Int32(Sq), Int32(Hq),
-                 Int32(num_splits), stream)
+            fast(comb)(addr(o_part), addr(l_part), addr(out), addr(lse), B, Sq, Hq, num_splits, stream)
     return (out, lse) if return_lse else out
 
 

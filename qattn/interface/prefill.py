@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
+from .fast_launch import fast
 from .variants import cache_for
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
@@ -55,9 +56,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
             softmax_scale: float) -> None:
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32, Int64
-
     from ..cute_kernels.compile_utils import compile_for_arch
     from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
 
@@ -65,16 +63,15 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
     arch = _check_arch(dev)
 
     def addr(t):
-        return Int64(0 if t is None else t.data_ptr())
+        return 0 if t is None else t.data_ptr()
 
     with torch.cuda.device(dev):
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         kern = cache_for("prefill").get(
             (arch,) + cfg.key,
             lambda: compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0])
-        kern(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
-             addr(cu_k), Int32(batch), Int32(num_seqs), Int32(seqlen_q), Int32(seqlen_k), Int32(max_seqlen_q),
-             Int32(Hq), Int32(Hkv), Int32(n_qg), Int32(n_kb), Float32(softmax_scale * math.log2(math.e)), stream)
+        fast(kern)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
+                   addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
+                   softmax_scale * math.log2(math.e), torch.cuda.current_stream(dev).cuda_stream)
 
 
 def prefill_int8(

@@ -142,9 +142,7 @@ def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple
 # ------------------------------------------------------------------------------------------------
 def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, granularity: str, smooth_k: bool,
                 block_q: int, warp_q: int, block_k: int, q_int8, q_scale, k_int8, k_scale, k_mean) -> None:
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
-
+    from ..interface.fast_launch import fast
     from ..interface.variants import supported_arch
 
     varlen = cu_q is not None
@@ -154,15 +152,15 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
     q_group = block_q if granularity == "per_block" else warp_q
 
     def addr(t):
-        return Int64(0 if t is None else t.data_ptr())
+        return 0 if t is None else t.data_ptr()
 
     def strides(t):
         s = _strides(t)
-        return (Int64(0), Int64(s[0]), Int64(s[1])) if varlen else tuple(Int64(x) for x in s)
+        return (0, s[0], s[1]) if varlen else tuple(s)
 
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        stream = torch.cuda.current_stream(dev).cuda_stream
         if seqlen_k > 0:
             partial = None
             num_chunks = 1
@@ -170,15 +168,15 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen)
                 num_chunks, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
                 partial = _alloc((batch, Hkv, num_chunks, D), torch.float64, dev)
-                kmean(addr(k), addr(partial), addr(cu_k), Int32(batch), Int32(seqlen_k), Int32(Hkv),
-                      Int32(num_chunks), Int32(chunk_rows), *strides(k), stream)
+                fast(kmean)(addr(k), addr(partial), addr(cu_k), batch, seqlen_k, Hkv, num_chunks, chunk_rows,
+                            *strides(k), stream)
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
-            kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), Int32(batch),
-                   Int32(seqlen_k), Int32(Hkv), Int32(k_scale.shape[2]), Int32(num_chunks), *strides(k), stream)
+            fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), batch,
+                         seqlen_k, Hkv, k_scale.shape[2], num_chunks, *strides(k), stream)
         if seqlen_q > 0:
             _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen)
-            qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), Int32(batch),
-                   Int32(seqlen_q), Int32(Hq), Int32(q_scale.shape[2]), Int32(1), *strides(q), stream)
+            fast(qquant)(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), batch,
+                         seqlen_q, Hq, q_scale.shape[2], 1, *strides(q), stream)
 
 
 def _check_group_sizes(D: int, granularity: str, block_q: int, warp_q: int, block_k: int) -> None:

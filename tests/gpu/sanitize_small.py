@@ -1,5 +1,7 @@
-"""Small cases for ``compute-sanitizer --tool memcheck``: insert, flatten and decode (split on/off, partial
-pages, -1 padded block tables, GQA, seqlen_q > 1). Run as a script; exits non-zero on a wrong result."""
+"""Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, with RoPE + smoothing + rotation, into a
+ring cache), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA, seqlen_q > 1, a recent
+window), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal, varlen). Run as a script; exits
+non-zero on a wrong result."""
 
 import torch
 
@@ -29,8 +31,51 @@ def main() -> None:
             err = float((out.double() - ref).norm() / ref.norm())
             assert err < 1e-2, (fmt, page, splits, err)
             print(f"{str(fmt):18} page {page:3} splits {splits}: rel err {err:.2e}")
+    _ring_and_transforms(g)
+    _prefill(g)
     torch.cuda.synchronize()
     print("sanitize_small: OK")
+
+
+def _ring_and_transforms(g) -> None:
+    B, H, Hk, D, page, W = 2, 8, 2, 64, 16, 32
+    lens = torch.tensor([20, 75], dtype=torch.int32, device="cuda")
+    cache = qattn.PagedKVCache(1, 16, page, Hk, D, "nvfp4", recent_window=W, max_seqs=3, rotate=True,
+                               device="cuda")
+    table = torch.arange(12, device="cuda", dtype=torch.int32).view(B, 6)
+    seqs = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    rope = qattn.RoPE.from_theta(10000.0, D, 128, "neox", device="cuda")
+    k_mean = torch.randn(Hk, D, device="cuda", generator=g)
+    for b in range(B):
+        pos = torch.arange(int(lens[b]), device="cuda")
+        k = torch.randn(len(pos), Hk, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        slots = table[b, pos // page].long() * page + pos % page
+        qattn.write_kv(cache, 0, k, torch.randn_like(k), slots, positions=pos, rope=rope, k_mean=k_mean,
+                       seq_slots=torch.full_like(pos, int(seqs[b])))
+    q = torch.randn(B, 2, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    for splits in (1, 2):
+        out = qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs, num_splits=splits)
+        assert torch.isfinite(out).all()
+    print("ring + rope + smoothing + rotation: insert and decode ran")
+
+
+def _prefill(g) -> None:
+    from qattn.reference.attention import prefill_reference
+
+    q, k, v = (torch.randn(1, n, h, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+               for n, h in ((200, 4), (333, 2), (333, 2)))
+    for causal in (False, True):
+        out = qattn.flash_attn_func(q, k, v, causal=causal)
+        ref = prefill_reference(q, k, v, causal=causal, qk_quant="int8")
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-2, ("prefill", causal, err)
+        print(f"prefill int8-QK causal={causal}: max rel err {err:.2e}")
+    lens = [1, 150, 70]
+    cu = torch.tensor([0, 1, 151, 221], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (torch.randn(221, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 1, 1))
+    out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)
+    assert torch.isfinite(out).all()
+    print("prefill varlen ran")
 
 
 if __name__ == "__main__":
