@@ -65,7 +65,8 @@ def _speedups(rows: list[dict], baseline: str, match_scope: bool = True) -> None
     """Speed-up over the baseline implementation of the same config and (with ``match_scope``) scope: eager vs
     eager, graph vs graph. Prefill peers have one eager row that our kernel-only and end-to-end rows compare to."""
     for r in rows:
-        base = next((b for b in rows if b["config"] == r["config"] and (b["scope"] == r["scope"] or not match_scope)
+        scope = r.get("base_scope", r["scope"])
+        base = next((b for b in rows if b["config"] == r["config"] and (b["scope"] == scope or not match_scope)
                      and b["impl"] == baseline and b.get("median_us")), None)
         if base is not None and r.get("median_us"):
             r["speedup"] = base["median_us"] / r["median_us"]
@@ -127,6 +128,21 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
                 t = bench(fn, warmup=5, reps=reps, use_graph=graph)
                 rows.append(_row(sh.label, "qattn", name, scope, t, decode_bytes(sh, fmt), copy_gbs=copy_gbs,
                                  err=err, kv_bpt=bpt))
+            write = _ours("write_kv")
+            if write is not None and sh.seqlen_q == 1:
+                # end-to-end decode step: append each sequence's newest token (its own K/V again, so the cache
+                # stays what the error was measured on) with write_kv, then attention; one CUDA graph. The
+                # speed-up compares with the peer's attention alone (graph scope).
+                last = torch.full((B,), S - 1, device=dev, dtype=torch.long)
+                slots = table.long()[torch.arange(B, device=dev), last // Pg] * Pg + last % Pg
+                k_new, v_new = k[:, -1].contiguous(), v[:, -1].contiguous()
+                step = (lambda c=cache: (write(c, 0, k_new, v_new, slots), attn(q, c, lens, table))[1])
+                t = bench(step, warmup=5, reps=reps, use_graph=True)
+                row = _row(sh.label, "qattn", name, "step graph", t, None, copy_gbs=copy_gbs,
+                           err=errors(step()[:e], ref), kv_bpt=bpt,
+                           note="write_kv of 1 token/seq + attention; speed-up vs the peer's attention graph")
+                row["base_scope"] = "graph"
+                rows.append(row)
             del cache, fn, out
         del q, k, v
         torch.cuda.empty_cache()

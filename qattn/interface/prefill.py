@@ -14,7 +14,7 @@ import torch
 
 from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
 from .fast_launch import fast
-from .variants import cache_for
+from .variants import Variant, cache_for, register
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
 
@@ -56,9 +56,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
             softmax_scale: float) -> None:
-    from ..cute_kernels.compile_utils import compile_for_arch
-    from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
-
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -66,9 +63,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         return 0 if t is None else t.data_ptr()
 
     with torch.cuda.device(dev):
-        kern = cache_for("prefill").get(
-            (arch,) + cfg.key,
-            lambda: compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0])
+        kern = cache_for("prefill").get((arch,) + cfg.key, lambda: _build_prefill(cfg, arch))
         fast(kern)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
                    addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
                    softmax_scale * math.log2(math.e), torch.cuda.current_stream(dev).cuda_stream)
@@ -314,3 +309,30 @@ def flash_attn_varlen_func(
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                return_lse=return_lse)
+
+
+def _build_prefill(cfg: PrefillConfig, arch: str):
+    from ..cute_kernels.compile_utils import compile_for_arch
+    from ..cute_kernels.sm90.prefill_int8 import QKInt8PrefillSm90
+
+    return compile_for_arch(QKInt8PrefillSm90(cfg), *prefill_compile_args(), arch=arch, keep_ptx=False)[0]
+
+
+@register("prefill")
+def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
+    """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
+    V dtype x causal x q-scale granularity x varlen, default tuning (the runtime key, arch first)."""
+    if arch != "sm_90a":
+        return []
+    dts = [{"f16": "fp16"}.get(d, d) for d in (q_dtypes or ["bf16", "fp16"])]
+    out = []
+    for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:
+        for vd in [x for x in dts if x in _DTYPES.values()]:
+            for causal in (False, True):
+                for gran in ("per_warp", "per_block"):
+                    for varlen in (False, True):
+                        cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity=gran, varlen=varlen)
+                        label = f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"
+                        out.append(Variant("prefill", (arch,) + cfg.key, label,
+                                           lambda cfg=cfg: _build_prefill(cfg, arch)))
+    return out

@@ -52,3 +52,28 @@ def test_flash_attn_func_rejects_unimplemented_modes():
         flash_attn_func(q, q, q, pv_dtype="fp8")
     with pytest.raises(TypeError, match="one dtype"):
         flash_attn_func(q, q.half(), q)
+
+
+def test_warmup_lists_the_runtime_prefill_keys():
+    from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+    from qattn.interface.variants import enumerate_variants
+
+    keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
+    assert len(keys) == 2 * 2 * 2 * 2 * 2
+    for causal in (False, True):  # what prefill_int8 / prefill_int8_varlen build at run time
+        for varlen in (False, True):
+            cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", varlen=varlen)
+            assert ("sm_90a",) + cfg.key in keys
+    assert enumerate_variants("prefill", "sm_100a") == []
+
+
+@pytest.mark.compile
+def test_warmup_cli_compiles_prefill_then_reports_cached(tmp_path):
+    from tests.interface.test_warmup import run_cli
+
+    args = ["--arch", "sm_90a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
+    first = run_cli(*args, cache_dir=tmp_path)
+    assert first.returncode == 0 and "8 variants, 0 failed" in first.stdout, first.stdout + first.stderr
+    second = run_cli(*args, cache_dir=tmp_path)
+    rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_90a")]
+    assert second.returncode == 0 and len(rows) == 8 and all(" cached " in ln for ln in rows)
