@@ -49,6 +49,46 @@ def test_flash_attn_func_rejects_unimplemented_modes():
     with pytest.raises(ValueError, match="qk_quant"):
         flash_attn_func(q, q, q, qk_quant="fp8")
     with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_func(q, q, q, pv_dtype="fp4")
+    with pytest.raises(ValueError, match="CUDA"):  # fp8 P x V is implemented: only the device is wrong here
         flash_attn_func(q, q, q, pv_dtype="fp8")
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_func(*(torch.randn(1, 8, 2, 256, dtype=torch.bfloat16),) * 3, pv_dtype="fp8")
     with pytest.raises(TypeError, match="one dtype"):
         flash_attn_func(q, q.half(), q)
+
+
+def test_varlen_rejects_fp8_pv():
+    from qattn.interface.prefill import flash_attn_varlen_func
+
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="varlen"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, pv_dtype="fp8")
+
+
+def _fp8_args(B=1, Sk=300, Hkv=2, D=64):
+    q8, qs, k8, ks, _ = _args(B=B, Sk=Sk, Hkv=Hkv, D=D)
+    vt = torch.zeros(B, Hkv, D, 384, dtype=torch.float8_e4m3fn)
+    vs = torch.ones(B, Hkv, D)
+    return q8, qs, k8, ks, vt, vs
+
+
+def test_prefill_int8_fp8_inputs_checked():
+    q8, qs, k8, ks, vt, vs = _fp8_args()
+    with pytest.raises(ValueError, match="CUDA"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        prefill_int8(q8, qs, k8, ks, torch.ones(1, 300, 2, 64, dtype=torch.bfloat16), pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(ValueError, match="v: expected shape"):  # keys padded to 128: 384, not 300
+        prefill_int8(q8, qs, k8, ks, vt[..., :300], pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(TypeError, match="v_scale"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=None)
+    with pytest.raises(ValueError, match="v_scale: expected shape"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs[:, :1])
+    with pytest.raises(TypeError, match="out_dtype"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="pv_dtype"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="e5m2", v_scale=vs)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_int8(*_args(), v_scale=vs)

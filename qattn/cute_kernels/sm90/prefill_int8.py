@@ -23,6 +23,16 @@ Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are the
 ``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
 sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
 
+FP8 P x V (``PrefillConfig(pv_dtype="fp8")``, same template, branches taken at compile time; the 16-bit variant's
+PTX is byte-identical to the one before the branch existed): V comes from the V prepass
+(``qattn.quant.v_fp8``) as E4M3 V^T (batch, kv_heads, head_dim, keys padded to 128), keys contiguous -- FP8
+wgmma takes K-major B only -- with a per-channel fp32 scale. P is computed as 448 * P (the P scale folded into the
+exp2 offset, so no multiply and no overflow: P <= 1), rounded to E4M3 in registers (cvt.rn.satfinite.e4m3x2.f32)
+straight into the 8-bit A fragments of ``wgmma.m64n{D}k32.f32.e4m3.e4m3``: instead of exchanging bytes between
+lanes, the prepass stores the keys of every 32-key group in the order in which a lane holds them (``_store_p``).
+Two-level accumulation: each tile's P x V goes into a fresh fp32 accumulator, added to the running O (fp32) at
+the rescale; the epilogue multiplies by the V channel scale and divides by the (448-scaled) row sum.
+
 v0 limits: no intra-warpgroup overlap of softmax with the next QK^T (the two MMA warpgroups overlap each
 other instead), outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid.
 """
