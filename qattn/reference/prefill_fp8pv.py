@@ -14,15 +14,10 @@ Step by step what the kernel does, tile of 128 keys by tile, in fp64 except wher
 5. out = O / rowsum * v_scale[channel], rounded to the output dtype; LSE = (m + log2 rowsum - log2 448) * ln 2.
 
 So ``kernel - emulation`` is the kernel's own accumulation / exp2 rounding (small), and ``emulation - exact``
-the format's error (P and V in E4M3, Q/K in INT8). Measured (CPU, this emulation vs fp64 attention of the
-unquantized inputs; B=1, S=1024, Hq=4, Hkv=2, D=128, causal, per-warp q scales, K smoothed):
-
-==================  ========  ========  ==========  ==========
-inputs              cos bf16  NRMSE     cos (INT8    NRMSE (INT8
-                    (fp8 PV)  (fp8 PV)  QK, bf16 PV)  QK only)
-==================  ========  ========  ==========  ==========
-random              see tests/reference/test_prefill_fp8pv.py (numbers recorded there)
-==================  ========  ========  ==========  ==========
+the format's error (P and V in E4M3, Q/K in INT8). Measured on the CPU (B=1, S=1024, Hq=4, Hkv=2, D=128, bf16,
+causal, per-warp q scales, K smoothed; vs fp64 attention of the unquantized inputs): random cos 0.99943 / NRMSE
+3.38% (INT8 QK with bf16 PV: 0.99995 / 1.05%), heavy outliers 0.99883 / 4.85%, V outliers 0.99972 / 2.54%; the
+full table is in ``tests/reference/test_prefill_fp8pv.py`` and ``docs/prefill_fp8pv.md``.
 """
 
 from __future__ import annotations
