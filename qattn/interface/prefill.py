@@ -26,7 +26,7 @@ def prefill_compile_args():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), cute.runtime.make_fake_stream()]
 
 
 def _check_arch(device: torch.device) -> str:
@@ -55,7 +55,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float) -> None:
+            softmax_scale: float, v_scale=None) -> None:
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -66,7 +66,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         kern = cache_for("prefill").get((arch,) + cfg.key, lambda: _build_prefill(cfg, arch))
         fast(kern)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
                    addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-                   softmax_scale * math.log2(math.e), torch.cuda.current_stream(dev).cuda_stream)
+                   softmax_scale * math.log2(math.e), addr(v_scale), torch.cuda.current_stream(dev).cuda_stream)
 
 
 def prefill_int8(
@@ -81,16 +81,27 @@ def prefill_int8(
     granularity: str = "per_warp",
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    pv_dtype: str = "bf16",
+    v_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
     _tuning: Optional[dict] = None,
 ):
     """Attention on INT8 Q/K already quantized by ``qattn.quant.quantize_qk_int8`` (same block sizes:
     block_q 128, warp_q 16, block_k 128) and V (batch, seqlen_k, num_kv_heads, head_dim) bf16/fp16.
+
+    ``pv_dtype="fp8"``: P x V in FP8 E4M3; ``v`` is then the V prepass's output (``qattn.quant.v_fp8``:
+    ``quantize_v_fp8`` / ``quantize_v_fp8_reference``), V^T float8_e4m3fn (batch, num_kv_heads, head_dim,
+    ceil(seqlen_k / 128) * 128) with its ``v_scale`` fp32 (batch, num_kv_heads, head_dim); the output dtype is
+    ``out_dtype`` (bf16 or fp16, default bf16, or that of ``out``). ``pv_dtype="bf16"`` means V's 16-bit dtype.
 
     Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
     fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     """
+    if pv_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
+    fp8 = pv_dtype == "fp8"
     for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -101,14 +112,32 @@ def prefill_int8(
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
     if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
         raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
-    if v.dtype not in _DTYPES:
-        raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+    if fp8:
+        if v.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"v: pv_dtype='fp8' expects the V prepass's V^T (torch.float8_e4m3fn), got {v.dtype}")
+        if out_dtype is None:
+            out_dtype = out.dtype if out is not None else torch.bfloat16
+        if out_dtype not in _DTYPES:
+            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float16, got {out_dtype}")
+    else:
+        if v.dtype not in _DTYPES:
+            raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+        if v_scale is not None:
+            raise ValueError("v_scale: only used with pv_dtype='fp8'")
+        out_dtype = v.dtype
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"k_int8: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
     _check(k_int8, "k_int8", torch.int8, (B, Sk, Hkv, D), dev)
-    _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
+    if fp8:
+        sk_pad = -(-Sk // BLOCK_K) * BLOCK_K
+        _check(v, "v", torch.float8_e4m3fn, (B, Hkv, D, sk_pad), dev)
+        _check(v_scale, "v_scale", torch.float32, (B, Hkv, D), dev)
+        if v.numel() >= 2**31:
+            raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
+    else:
+        _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
     if Sq < 1 or Sk < 1:
         raise ValueError(f"q_int8: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
     if granularity not in ("per_warp", "per_block"):
@@ -127,19 +156,19 @@ def prefill_int8(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     if out is not None:
-        _check(out, "out", v.dtype, (B, Sq, Hq, D), dev)
+        _check(out, "out", out_dtype, (B, Sq, Hq, D), dev)
         if not out.is_contiguous() or out.data_ptr() % 16:
             raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
     else:
-        out = torch.empty((B, Sq, Hq, D), dtype=v.dtype, device=dev)
+        out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=dev)
     _check_arch(dev)
-    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
-                        **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides for A/B benchmarks
+    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
+                        pv_dtype=pv_dtype, **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides (A/B)
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, q_scale.contiguous(), k_scale.contiguous(), None, None,
-            B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale)
+            B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None)
     return (out, lse) if return_lse else out
 
 
@@ -247,13 +276,14 @@ def flash_attn_func(
 
     Two launches on the current stream: the prepass (``qattn.quant.quantize_qk_int8``: int8 Q/K with fp32 scales,
     K minus its per-channel mean when ``smooth_k``) and the attention kernel (:func:`prefill_int8`). P x V runs
-    in V's dtype (``pv_dtype="bf16"`` means "V's 16-bit dtype"). Returns out like q's dtype and, with
-    ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
+    in V's dtype with ``pv_dtype="bf16"`` (meaning "V's 16-bit dtype"), or in FP8 E4M3 with ``pv_dtype="fp8"``
+    (then a third launch, the V prepass ``qattn.quant.v_fp8.quantize_v_fp8``: per-channel scaled E4M3 V^T).
+    Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
     """
     if qk_quant != "int8":
         raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
-    if pv_dtype != "bf16":
-        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented so far, got {pv_dtype!r}")
+    if pv_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -263,8 +293,18 @@ def flash_attn_func(
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     from ..quant.launch import quantize_qk_int8
 
+    if pv_dtype == "fp8":
+        from ..quant.v_fp8 import _check_v
+
+        _check_v(v)  # before any launch: head_dim 64 / 128
     q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                          warp_q=WARP_Q, block_k=BLOCK_K)
+    if pv_dtype == "fp8":
+        from ..quant.v_fp8 import quantize_v_fp8
+
+        vt, vs = quantize_v_fp8(v)
+        return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
+                            return_lse=return_lse, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                         return_lse=return_lse)
 
@@ -292,8 +332,10 @@ def flash_attn_varlen_func(
     (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q)."""
     if qk_quant != "int8":
         raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
+    if pv_dtype == "fp8":
+        raise ValueError("pv_dtype: 'fp8' is not implemented for varlen prefill yet (dense flash_attn_func only)")
     if pv_dtype != "bf16":
-        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented so far, got {pv_dtype!r}")
+        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented for varlen, got {pv_dtype!r}")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -321,7 +363,8 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 @register("prefill")
 def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
-    V dtype x causal x q-scale granularity x varlen, default tuning (the runtime key, arch first)."""
+    V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
+    key, arch first)."""
     if arch != "sm_90a":
         return []
     dts = [{"f16": "fp16"}.get(d, d) for d in (q_dtypes or ["bf16", "fp16"])]
@@ -330,9 +373,11 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
         for vd in [x for x in dts if x in _DTYPES.values()]:
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
-                    for varlen in (False, True):
-                        cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity=gran, varlen=varlen)
-                        label = f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"
+                    for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):  # fp8 P.V: dense only
+                        cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity=gran, varlen=varlen,
+                                            pv_dtype=pv)
+                        label = (f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"
+                                 f"{' pv-fp8' if pv == 'fp8' else ''}")
                         out.append(Variant("prefill", (arch,) + cfg.key, label,
                                            lambda cfg=cfg: _build_prefill(cfg, arch)))
     return out

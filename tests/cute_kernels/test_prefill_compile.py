@@ -55,3 +55,37 @@ def test_config_rejects_unsupported(kw, err):
     args = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp") | kw
     with pytest.raises(ValueError, match=err):
         PrefillConfig(**args)
+
+
+# ---- FP8 P x V (pv_dtype="fp8") -------------------------------------------------------------------------------
+FP8_VARIANTS = [(64, "bf16", False, "per_warp"), (64, "bf16", True, "per_warp"), (128, "bf16", False, "per_warp"),
+                (128, "bf16", True, "per_warp"), (128, "fp16", True, "per_block")]
+
+
+@pytest.mark.parametrize("D,v_dtype,causal,granularity", FP8_VARIANTS)
+def test_fp8_pv_variant_compiles(D, v_dtype, causal, granularity):
+    ptx = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity,
+                                 pv_dtype="fp8"))
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
+    # P x V: 128 keys / 32 per k-step, issued in the loop and after it; no 16-bit P x V left
+    assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k32.f32.e4m3.e4m3") == 2 * 4
+    assert not ptx_has(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16")
+    # P -> E4M3: 2 cvt per A register, 16 registers per tile, two call sites; no byte shuffles between lanes
+    # (the keys are permuted instead): the only shfl are the 4-lane max / sum reductions of the bf16 variant
+    assert ptx_count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 2 * 16 * 2
+    bf16 = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity))
+    assert ptx_count(ptx, "shfl.sync") == ptx_count(bf16, "shfl.sync")
+    assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3
+    assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
+    assert not ptx_has(ptx, "cvt.rn.f32.s32")
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+def test_pv_dtype_in_key_and_checked():
+    base = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
+    assert PrefillConfig(**base).key != PrefillConfig(**base, pv_dtype="fp8").key
+    assert PrefillConfig(**base).pv_dtype == "bf16"
+    with pytest.raises(ValueError, match="pv_dtype"):
+        PrefillConfig(**base, pv_dtype="fp4")
+    with pytest.raises(ValueError, match="varlen"):
+        PrefillConfig(**base, pv_dtype="fp8", varlen=True)

@@ -33,6 +33,9 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, outliers=None, seed=0):
         if outliers == "heavy":
             q[..., :4] *= 4.0
             k[..., 5:8] *= 4.0
+        if outliers == "v_outliers":  # V channel outliers (per-channel V scales) and a few loud tokens
+            v[..., :4] *= 20.0
+            v[:, ::97] *= 8.0
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
@@ -206,10 +209,132 @@ def test_varlen_matches_each_sequence(causal, D):
         start += lq
 
 
+# ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------
+# Kernel error: vs ``prefill_fp8pv_emulation`` on the same int8 Q/K and E4M3 V (tight: only accumulation order,
+# ex2.approx and the output rounding differ). Format error: vs exact fp64 attention (FP8 P and V cost ~3.5% NRMSE,
+# see tests/reference/test_prefill_fp8pv.py for the CPU numbers).
+@pytest.fixture
+def poison_v_prepass(monkeypatch):
+    import qattn.quant.v_fp8 as m
+
+    def alloc(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(0xFF) if dtype == torch.uint8 else t.fill_(float("nan"))  # 0xFF is E4M3 NaN
+
+    monkeypatch.setattr(m, "_alloc", alloc)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,Sk,H", [(1, 1, 1), (2, 300, 2), (1, 128, 4), (3, 1000, 2), (1, 5000, 1)])
+def test_v_fp8_prepass_matches_reference(poison_v_prepass, B, Sk, H, D, dtype):
+    from qattn.quant.v_fp8 import quantize_v_fp8, quantize_v_fp8_reference
+
+    g = torch.Generator(device="cuda").manual_seed(Sk + D)
+    big = torch.randn(B, Sk, 2 * H, D, device="cuda", generator=g) * torch.rand(1, 1, 2 * H, D, device="cuda",
+                                                                                 generator=g) * 8
+    big[..., 3] = 0.0  # an all-zero channel: scale 0, codes 0
+    v = big.to(dtype)[:, :, :H]  # head-strided view: read in place
+    vt, vs = quantize_v_fp8(v)
+    vt_ref, vs_ref = quantize_v_fp8_reference(v)
+    assert torch.equal(vs, vs_ref)
+    assert torch.equal(vt.view(torch.uint8), vt_ref.view(torch.uint8))
+
+
+def _run_fp8(q8, qs, k8, ks, vt, vs, causal, granularity, out_dtype):
+    from qattn.interface.prefill import prefill_int8
+
+    B, Sq, Hq, D = q8.shape
+    out = torch.full((B, Sq, Hq, D), float("nan"), dtype=out_dtype, device="cuda")
+    return prefill_int8(q8, qs, k8, ks, vt, causal=causal, granularity=granularity, return_lse=True, out=out,
+                        pv_dtype="fp8", v_scale=vs)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8pv_kernel_vs_emulation(shape, causal, D):
+    from qattn.quant.v_fp8 import quantize_v_fp8_reference
+    from qattn.reference.prefill_fp8pv import prefill_fp8pv_emulation
+
+    B, Sq, Sk, Hq, Hkv = shape
+    granularity = "per_block" if Sq == 300 else "per_warp"
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, seed=Sq + Sk + D)
+    q8, qs, k8, ks, _ = _quantize(q, k, granularity)
+    vt, vs = quantize_v_fp8_reference(v)
+    o, lse = _run_fp8(q8, qs, k8, ks, vt, vs, causal, granularity, torch.bfloat16)
+    emu, emu_lse = prefill_fp8pv_emulation(q, k, v, causal=causal, granularity=granularity, return_lse=True,
+                                           quantized=(q8, qs, k8, ks, vt, vs), out_dtype=torch.float64)
+    assert torch.isfinite(o).all(), "NaN left in the output (a row was not written)"
+    err = (o.double() - emu).abs().max() / emu.abs().max()
+    assert err <= 1e-2, f"max rel err vs emulation {err:.3e}"
+    assert _nrmse(o, emu) <= 5e-3, _nrmse(o, emu)
+    fin = torch.isfinite(emu_lse)
+    assert torch.equal(fin, torch.isfinite(lse)), "rows with no visible key must have LSE -inf"
+    assert (lse[fin].double() - emu_lse[fin]).abs().max() <= 1e-3
+
+
+# (outliers, min cosine, max NRMSE) vs exact attention; CPU emulation measures 0.9994 / 3.4% (random, causal)
+FP8_FORMAT_CASES = [(None, 0.999, 0.045), ("k_offset", 0.999, 0.045), ("heavy", 0.998, 0.065),
+                    ("v_outliers", 0.999, 0.05)]
+
+
+@pytest.mark.parametrize("case", FP8_FORMAT_CASES, ids=lambda c: str(c[0]))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8pv_format_error_vs_exact_attention(dtype, case):
+    import qattn
+    from qattn.reference.attention import attention_reference
+
+    outliers, min_cos, max_nrmse = case
+    q, k, v = _inputs(2, 1024, 1024, 4, 2, 128, dtype, outliers=outliers, seed=7)
+    o = qattn.flash_attn_func(q, k, v, causal=True, pv_dtype="fp8")
+    assert o.dtype == dtype
+    ref = attention_reference(q, k, v, causal=True)
+    cos, nrmse = _cos(o, ref), _nrmse(o, ref)
+    print(f"fp8 PV format error {dtype} {outliers}: cos {cos:.5f} nrmse {nrmse:.4f}")
+    assert cos >= min_cos and nrmse <= max_nrmse, (cos, nrmse)
+
+
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_fp8_end_to_end(causal, D, dtype):
+    """Three launches (Q/K prepass, V prepass, attention) vs the emulation of the same rules."""
+    import qattn
+    from qattn.reference.prefill_fp8pv import prefill_fp8pv_emulation
+
+    q, k, v = _inputs(2, 700, 900, 8, 2, D, dtype, outliers="k_offset", seed=11)
+    o, lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype="fp8", return_lse=True)
+    emu, emu_lse = prefill_fp8pv_emulation(q, k, v, causal=causal, return_lse=True, out_dtype=torch.float64)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    assert (o.double() - emu).abs().max() / emu.abs().max() <= 1e-2
+    assert _nrmse(o, emu) <= 5e-3
+    assert (lse.double() - emu_lse).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8pv_zero_scales_and_rows_without_keys(causal):
+    from qattn.quant.v_fp8 import dequantize_v_fp8_reference, quantize_v_fp8_reference
+
+    # one key (k_scale 0 after smoothing), an all-zero q group; causal: only the last row sees the key
+    q, k, v = _inputs(1, 200, 1, 2, 2, 64, torch.bfloat16, seed=5)
+    q[:, :16] = 0
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    vt, vs = quantize_v_fp8_reference(v)
+    o, lse = _run_fp8(q8, qs, k8, ks, vt, vs, causal, "per_warp", torch.bfloat16)
+    deq = dequantize_v_fp8_reference(vt, vs, 1).to(torch.bfloat16)  # P' = 448: out = the E4M3 V, dequantized
+    if not causal:
+        assert torch.isfinite(lse).all()
+        assert torch.allclose(o.float(), deq.expand(1, 200, 2, 64).float(), rtol=1e-2, atol=0)
+    else:
+        assert torch.allclose(o[:, -1].float(), deq[:, 0].float(), rtol=1e-2, atol=0) and torch.all(o[:, :-1] == 0)
+        assert torch.all(torch.isneginf(lse[:, :, :-1]))
+
+
 def _bench():
     import triton.testing as tt
 
     from qattn.interface.prefill import prefill_int8
+    from qattn.quant.v_fp8 import quantize_v_fp8
 
     rows = []
     for D in (128, 64):
@@ -218,13 +343,19 @@ def _bench():
                 B, H = 2, 16
                 q, k, v = _inputs(B, S, S, H, H, D, torch.bfloat16, seed=1)
                 q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+                flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 fn = lambda: prefill_int8(q8, qs, k8, ks, v, causal=causal)  # noqa: E731
                 ms = tt.do_bench(fn, warmup=50, rep=200, return_mode="median")
-                flops = 4 * B * H * S * S * D / (2 if causal else 1)
-                rows.append((D, causal, S, ms * 1e3, flops / ms / 1e9))
-    print("| D | causal | S | us | TFLOP/s |")
+                rows.append(("bf16", D, causal, S, ms * 1e3, flops / ms / 1e9))
+                vt, vs = quantize_v_fp8(v)
+                fn = lambda: prefill_int8(q8, qs, k8, ks, vt, causal=causal, pv_dtype="fp8", v_scale=vs)  # noqa: E731
+                ms = tt.do_bench(fn, warmup=50, rep=200, return_mode="median")
+                rows.append(("fp8", D, causal, S, ms * 1e3, flops / ms / 1e9))
+                ms = tt.do_bench(lambda: quantize_v_fp8(v), warmup=50, rep=200, return_mode="median")
+                rows.append(("V prepass", D, causal, S, ms * 1e3, 0))
+    print("| PV | D | causal | S | us | TFLOP/s (attention kernel only) |")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:.0f} |")
 
 
 if __name__ == "__main__" and "--bench" in sys.argv:

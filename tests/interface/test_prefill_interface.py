@@ -49,7 +49,11 @@ def test_flash_attn_func_rejects_unimplemented_modes():
     with pytest.raises(ValueError, match="qk_quant"):
         flash_attn_func(q, q, q, qk_quant="fp8")
     with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_func(q, q, q, pv_dtype="fp4")
+    with pytest.raises(ValueError, match="CUDA"):  # fp8 P x V is implemented: only the device is wrong here
         flash_attn_func(q, q, q, pv_dtype="fp8")
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_func(*(torch.randn(1, 8, 2, 256, dtype=torch.bfloat16),) * 3, pv_dtype="fp8")
     with pytest.raises(TypeError, match="one dtype"):
         flash_attn_func(q, q.half(), q)
 
@@ -59,10 +63,11 @@ def test_warmup_lists_the_runtime_prefill_keys():
     from qattn.interface.variants import enumerate_variants
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
-    assert len(keys) == 2 * 2 * 2 * 2 * 2
+    assert len(keys) == 2 * 2 * 2 * 2 * 3
     for causal in (False, True):  # what prefill_int8 / prefill_int8_varlen build at run time
-        for varlen in (False, True):
-            cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", varlen=varlen)
+        for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):
+            cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", varlen=varlen,
+                                pv_dtype=pv)
             assert ("sm_90a",) + cfg.key in keys
     assert enumerate_variants("prefill", "sm_100a") == []
 
@@ -73,7 +78,43 @@ def test_warmup_cli_compiles_prefill_then_reports_cached(tmp_path):
 
     args = ["--arch", "sm_90a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
     first = run_cli(*args, cache_dir=tmp_path)
-    assert first.returncode == 0 and "8 variants, 0 failed" in first.stdout, first.stdout + first.stderr
+    assert first.returncode == 0 and "12 variants, 0 failed" in first.stdout, first.stdout + first.stderr
     second = run_cli(*args, cache_dir=tmp_path)
     rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_90a")]
-    assert second.returncode == 0 and len(rows) == 8 and all(" cached " in ln for ln in rows)
+    assert second.returncode == 0 and len(rows) == 12 and all(" cached " in ln for ln in rows)
+
+
+def test_varlen_rejects_fp8_pv():
+    from qattn.interface.prefill import flash_attn_varlen_func
+
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="varlen"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, pv_dtype="fp8")
+
+
+def _fp8_args(B=1, Sk=300, Hkv=2, D=64):
+    q8, qs, k8, ks, _ = _args(B=B, Sk=Sk, Hkv=Hkv, D=D)
+    vt = torch.zeros(B, Hkv, D, 384, dtype=torch.float8_e4m3fn)
+    vs = torch.ones(B, Hkv, D)
+    return q8, qs, k8, ks, vt, vs
+
+
+def test_prefill_int8_fp8_inputs_checked():
+    q8, qs, k8, ks, vt, vs = _fp8_args()
+    with pytest.raises(ValueError, match="CUDA"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        prefill_int8(q8, qs, k8, ks, torch.ones(1, 300, 2, 64, dtype=torch.bfloat16), pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(ValueError, match="v: expected shape"):  # keys padded to 128: 384, not 300
+        prefill_int8(q8, qs, k8, ks, vt[..., :300], pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(TypeError, match="v_scale"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=None)
+    with pytest.raises(ValueError, match="v_scale: expected shape"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs[:, :1])
+    with pytest.raises(TypeError, match="out_dtype"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="fp8", v_scale=vs, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="pv_dtype"):
+        prefill_int8(q8, qs, k8, ks, vt, pv_dtype="e5m2", v_scale=vs)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_int8(*_args(), v_scale=vs)

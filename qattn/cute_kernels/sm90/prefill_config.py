@@ -20,12 +20,13 @@ BLOCK_K = 128
 HEAD_DIMS = (64, 128)
 _V_DTYPES = ("bf16", "fp16")
 _GRANULARITIES = ("per_warp", "per_block")
+_PV_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     head_dim: int
-    v_dtype: str  # "bf16" | "fp16": V, P and the output
+    v_dtype: str  # "bf16" | "fp16": V as given to the API and the output (and P, V in the 16-bit P x V)
     causal: bool
     granularity: str  # q scale granularity, "per_warp" | "per_block"
     varlen: bool = False
@@ -33,6 +34,9 @@ class PrefillConfig:
     pingpong: bool = True  # the two MMA warpgroups take turns issuing their wgmmas (named barriers)
     tile_m: int = BLOCK_Q
     tile_n: int = BLOCK_K
+    # "bf16": P x V in V's 16-bit dtype (v_dtype); "fp8": P and V^T in E4M3 (V per-channel scaled, transposed and
+    # key-permuted by the V prepass, ``qattn.quant.v_fp8``), two-level fp32 accumulation. Dense only so far.
+    pv_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -43,12 +47,17 @@ class PrefillConfig:
             raise ValueError(f"granularity: expected one of {_GRANULARITIES}, got {self.granularity!r}")
         if (self.tile_m, self.tile_n) != (BLOCK_Q, BLOCK_K):
             raise ValueError("tile_m / tile_n: the prepass block sizes fix them to 128 x 128")
+        if self.pv_dtype not in _PV_DTYPES:
+            raise ValueError(f"pv_dtype: expected one of {_PV_DTYPES}, got {self.pv_dtype!r}")
+        if self.pv_dtype == "fp8" and self.varlen:
+            raise ValueError("pv_dtype: 'fp8' is implemented for dense (non-varlen) prefill only")
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
     @property
     def key(self) -> tuple:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
-        return ("prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype, self.causal,
+        pv = "pv_" + self.v_dtype if self.pv_dtype == "bf16" else "pv_fp8e4m3"
+        return ("prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
                 self.tile_n)

@@ -23,6 +23,16 @@ Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are the
 ``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
 sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
 
+FP8 P x V (``PrefillConfig(pv_dtype="fp8")``, same template, branches taken at compile time; the 16-bit variant's
+PTX is byte-identical to the one before the branch existed): V comes from the V prepass
+(``qattn.quant.v_fp8``) as E4M3 V^T (batch, kv_heads, head_dim, keys padded to 128), keys contiguous -- FP8
+wgmma takes K-major B only -- with a per-channel fp32 scale. P is computed as 448 * P (the P scale folded into the
+exp2 offset, so no multiply and no overflow: P <= 1), rounded to E4M3 in registers (cvt.rn.satfinite.e4m3x2.f32)
+straight into the 8-bit A fragments of ``wgmma.m64n{D}k32.f32.e4m3.e4m3``: instead of exchanging bytes between
+lanes, the prepass stores the keys of every 32-key group in the order in which a lane holds them (``_store_p``).
+Two-level accumulation: each tile's P x V goes into a fresh fp32 accumulator, added to the running O (fp32) at
+the rescale; the epilogue multiplies by the V channel scale and divides by the (448-scaled) row sum.
+
 v0 limits: no intra-warpgroup overlap of softmax with the next QK^T (the two MMA warpgroups overlap each
 other instead), outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid.
 """
@@ -36,15 +46,21 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int8, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
+from qattn.cute_kernels.kv_insert import f32x4_to_e4m3x4
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 
 __all__ = ["QKInt8PrefillSm90"]
 
 _LN2 = math.log(2.0)
+# FP8 P x V: P (<= 1 after the online softmax) is computed as 448 * P = exp2(x - m + log2 448) and rounded to
+# E4M3 (448 = E4M3's largest finite value): the scale is folded into the exponent offset (no multiply), the row
+# sum adds the same scaled values, so out = acc * v_scale / rowsum needs no 1/448, and the LSE subtracts log2 448.
+P_FP8_SCALE = 448.0
+P_FP8_LOG2_SCALE = math.log2(P_FP8_SCALE)
 
 
 def _rows_cols(acc_layout: cute.Layout) -> cute.Layout:
@@ -85,6 +101,8 @@ class QKInt8PrefillSm90:
         self.cfg = cfg
         self.D = cfg.head_dim
         self.v_dtype = BFloat16 if cfg.v_dtype == "bf16" else Float16
+        self.fp8 = cfg.pv_dtype == "fp8"
+        self.pv_ab = Float8E4M3FN if self.fp8 else self.v_dtype  # the P x V operand type
 
     @property
     def key(self) -> tuple:
@@ -98,12 +116,16 @@ class QKInt8PrefillSm90:
         q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        stream: cuda.CUstream,
+        v_scale_addr: Int64, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
-        sequences whose row ranges each CTA reads from the cu_seqlens arrays."""
-        cfg, D, vdt = self.cfg, self.D, self.v_dtype
+        sequences whose row ranges each CTA reads from the cu_seqlens arrays.
+
+        ``pv_dtype="fp8"``: ``v_addr`` is the V prepass's V^T, E4M3 (batch, num_kv_heads, head_dim,
+        num_k_blocks * tile_n), and ``v_scale_addr`` its fp32 per-channel scales (batch, num_kv_heads, head_dim);
+        unused (0) otherwise."""
+        cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
         # FlashAttention layouts, (batch, seqlen, heads, head_dim) contiguous; viewed (seqlen, dim, head, batch).
@@ -114,24 +136,40 @@ class QKInt8PrefillSm90:
         mK = cute.make_tensor(cute.make_ptr(Int8, k_addr, gmem, assumed_align=16),
                               cute.make_layout((seqlen_k, D, num_kv_heads, batch),
                                                stride=(k_row, 1, D, seqlen_k * k_row)))
-        # V as the B operand of P x V: (N = dim, K = keys), dim contiguous ("MN-major").
-        mV = cute.make_tensor(cute.make_ptr(vdt, v_addr, gmem, assumed_align=16),
-                              cute.make_layout((D, seqlen_k, num_kv_heads, batch),
-                                               stride=(1, k_row, D, seqlen_k * k_row)))
+        if cutlass.const_expr(self.fp8):
+            # V^T as the B operand of P x V: (N = dim, K = keys), keys contiguous ("K-major", the only form FP8
+            # wgmma takes); keys padded to whole tiles (zeros) and permuted within groups of 32 by the prepass.
+            sk_pad = num_k_blocks * TN
+            mV = cute.make_tensor(cute.make_ptr(Float8E4M3FN, v_addr, gmem, assumed_align=16),
+                                  cute.make_layout((D, sk_pad, num_kv_heads, batch),
+                                                   stride=(sk_pad, 1, D * sk_pad, num_kv_heads * D * sk_pad)))
+        else:
+            # V as the B operand of P x V: (N = dim, K = keys), dim contiguous ("MN-major").
+            mV = cute.make_tensor(cute.make_ptr(vdt, v_addr, gmem, assumed_align=16),
+                                  cute.make_layout((D, seqlen_k, num_kv_heads, batch),
+                                                   stride=(1, k_row, D, seqlen_k * k_row)))
 
         # Two copies of the QK^T MMA, for the first k-block (overwrite) and the others (accumulate): the
         # ACCUMULATE field is set once per copy at the top of the consumer, never inside a staged branch.
         mma_qk, mma_qk_acc = [sm90_utils.make_trivial_tiled_mma(
             Int8, Int8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Int32, (TM // 64, 1, 1),
             (64, TN)) for _ in range(2)]
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            vdt, vdt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
-            (64, D), warpgroup.OperandSource.RMEM)
+        mma_pv0 = None
+        if cutlass.const_expr(self.fp8):
+            # two copies again: each tile's P x V starts from zero (first k-block) and accumulates (the others)
+            mma_pv, mma_pv0 = [sm90_utils.make_trivial_tiled_mma(
+                Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+                (TM // 64, 1, 1), (64, D), warpgroup.OperandSource.RMEM) for _ in range(2)]
+        else:
+            mma_pv = sm90_utils.make_trivial_tiled_mma(
+                vdt, vdt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
+                (64, D), warpgroup.OperandSource.RMEM)
 
         sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, 1),
                                 (None, None, 0))
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, ST)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TM, D, TN), vdt, ST)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR,
+                                                  (TM, D, TN), pv_ab, ST)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TM, D))
@@ -139,7 +177,7 @@ class QKInt8PrefillSm90:
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, TN))
         self.q_bytes = cute.size_in_bytes(Int8, sQ_layout)
         self.k_bytes = cute.size_in_bytes(Int8, cute.slice_(sK_layout, (None, None, 0)))
-        self.v_bytes = cute.size_in_bytes(vdt, cute.slice_(sV_layout, (None, None, 0)))
+        self.v_bytes = cute.size_in_bytes(pv_ab, cute.slice_(sV_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
@@ -148,16 +186,19 @@ class QKInt8PrefillSm90:
             v_mbar: cute.struct.MemRange[Int64, ST * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[vdt, cute.cosize(sV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
         num_m_blocks = (max_seqlen_q + TM - 1) // TM
-        self.kernel(
-            mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-            o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
-            num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2,
-        ).launch(grid=(num_m_blocks, num_heads, num_seqs), block=(self.num_threads, 1, 1), stream=stream,
-                 min_blocks_per_mp=1)
+        args = (mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+                o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
+        if cutlass.const_expr(self.fp8):
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr)
+        else:
+            launcher = self.kernel(*args)
+        launcher.launch(grid=(num_m_blocks, num_heads, num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+                        min_blocks_per_mp=1)
 
     # ----------------------------------------------------------------------------------------------
     @cute.kernel
@@ -171,6 +212,32 @@ class QKInt8PrefillSm90:
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
     ):
+        """16-bit P x V (``pv_dtype="bf16"``)."""
+        self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+                   o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None)
+
+    @cute.kernel
+    def kernel_fp8(
+        self,
+        mma_qk: cute.TiledMma, mma_qk_acc: cute.TiledMma, mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+        tma_v: cute.CopyAtom, tV: cute.Tensor,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
+        cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
+        num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        mma_pv0: cute.TiledMma, v_scale_addr: Int64,
+    ):
+        """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
+        self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+                   o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr)
+
+    @cute.jit
+    def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+              o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
+              num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -261,13 +328,13 @@ class QKInt8PrefillSm90:
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
-                          scale_log2)
+                          scale_log2, mma_pv0, v_scale_addr)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
-                 num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2):
+                 num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr):
         """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
         in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
@@ -284,6 +351,13 @@ class QKInt8PrefillSm90:
         # O always accumulates (it starts at 0). Set once here: a field set inside a staged branch would leave
         # the MMA object holding a value that does not dominate later uses.
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        acc_t = None
+        if cutlass.const_expr(self.fp8):
+            # Two-level accumulation: each tile's P x V (4 k32 wgmmas = 128 keys) goes into a fresh fp32
+            # accumulator (first k-block overwrites), added to the running O in fp32 registers after the
+            # rescale; Hopper's FP8 wgmma keeps fewer accumulator bits (DeepGEMM promotes every 128 K as well).
+            mma_pv0.set(warpgroup.Field.ACCUMULATE, False)
+            acc_t = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TM, D)))
         mma_qk.set(warpgroup.Field.ACCUMULATE, False)
         mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
         # (row, col) inside the tile of every accumulator value, for masks and stores
@@ -315,8 +389,12 @@ class QKInt8PrefillSm90:
         # The fp32 scores live in the registers of the int32 accumulator (converted in place): the next QK^T
         # overwrites them only after P has been taken out of them.
         s = cute.recast_tensor(acc_s, Float32)
-        p_lo = cute.make_rmem_tensor(acc_s.layout, vdt)
-        tOrP = cute.make_tensor(p_lo.iterator, _acc_as_a_operand(p_lo.layout))
+        if cutlass.const_expr(self.fp8):
+            p_lo = None
+            tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((TM, TN)))  # E4M3 A fragments, 4 per register
+        else:
+            p_lo = cute.make_rmem_tensor(acc_s.layout, vdt)
+            tOrP = cute.make_tensor(p_lo.iterator, _acc_as_a_operand(p_lo.layout))
         corr = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
         # Software pipeline (FA3's intra-warpgroup overlap): the QK^T of tile n and the PV of tile n-1 are in
         # flight together; the exponentials of tile n run while the PV wgmma still executes. Pipeline states
@@ -333,13 +411,13 @@ class QKInt8PrefillSm90:
             k_pipe.consumer_release(st)
             self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, diag)
             self._softmax(s, s_rc, qs_log2 * mKS[ks_base], row_max, row_sum, corr)
-            p_lo.store(s.load().to(vdt))
+            self._store_p(s, acc_s.layout, p_lo, tOrP)
         for n in cutlass.range(1, n_blocks, unroll=1):
             st = _consumer_state(n, cfg.kv_stages)
             st_prev = _consumer_state(n - 1, cfg.kv_stages)
             self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
-            self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st_prev)
+            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev)
             self._turn_done(1 - wg)
             warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
             k_pipe.consumer_release(st)
@@ -348,18 +426,26 @@ class QKInt8PrefillSm90:
             warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
             v_pipe.consumer_release(st_prev)
             o_mn = cute.make_tensor(acc_o.iterator, o_rc)
-            for i in cutlass.range_constexpr(n_rows):
-                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    o_mn[i, j] = o_mn[i, j] * corr[i]
-            p_lo.store(s.load().to(vdt))
+            if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
+                t_mn = cute.make_tensor(acc_t.iterator, o_rc)
+                for i in cutlass.range_constexpr(n_rows):
+                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
+            else:
+                for i in cutlass.range_constexpr(n_rows):
+                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        o_mn[i, j] = o_mn[i, j] * corr[i]
+            self._store_p(s, acc_s.layout, p_lo, tOrP)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
-            self._issue_pv(mma_pv, acc_o, tOrP, tOrV, v_pipe, st)
+            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st)
             if wg == 0:  # warpgroup 1's last turn follows; nobody waits after it
                 self._turn_done(1)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(st)
+            if cutlass.const_expr(self.fp8):
+                acc_o.store(acc_o.load() + acc_t.load())
 
         # ---- epilogue: normalise, store O (bf16/fp16) and the natural-log LSE of valid rows
         mO = cute.make_tensor(cute.make_ptr(vdt, o_addr, gmem, assumed_align=16),
@@ -371,13 +457,21 @@ class QKInt8PrefillSm90:
                                 cute.make_layout(seqlen_q))
         mLSE = cute.make_tensor(mLSE.iterator + lse_base, mLSE.layout)
         inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        mVS, vs_base = None, None
+        if cutlass.const_expr(self.fp8):
+            mVS = cute.make_tensor(cute.make_ptr(Float32, v_scale_addr, gmem, assumed_align=4),
+                                   cute.make_layout(1 << 30))
+            vs_base = (b * num_kv_heads + h_kv) * D
         for i in cutlass.range_constexpr(n_rows):
             total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
             inv_sum[i] = 0.0
             lse = -Float32.inf
             if total > 0.0:
                 inv_sum[i] = 1.0 / total
-                lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * _LN2
+                if cutlass.const_expr(self.fp8):  # the row sum adds 448 * P
+                    lse = (row_max[i] + cute.math.log2(total, fastmath=True) - Float32(P_FP8_LOG2_SCALE)) * _LN2
+                else:
+                    lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * _LN2
             # this thread's rows are lane/4 and lane/4 + 8 of its warp's 16 (wgmma accumulator layout)
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
             if ctid % 4 == 0 and r < seqlen_q:
@@ -388,6 +482,8 @@ class QKInt8PrefillSm90:
             inv = inv_sum[0]
             if (r % 16) >= 8:
                 inv = inv_sum[1]
+            if cutlass.const_expr(self.fp8):  # O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
+                inv = inv * mVS[vs_base + c]
             if row < seqlen_q:
                 mO[row, c] = (acc_o[i] * inv).to(vdt)
 
@@ -416,13 +512,49 @@ class QKInt8PrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _issue_pv(self, mma_pv, acc_o, tOrP, tOrV, v_pipe, v_cons: pipeline.PipelineState):
-        """Wait for V tile ``v_cons`` and issue O += P V (RS wgmma) without waiting for it."""
+    def _issue_pv(self, mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, v_cons: pipeline.PipelineState):
+        """Wait for V tile ``v_cons`` and issue O += P V (RS wgmma) without waiting for it; FP8: acc_t = P V."""
         v_pipe.consumer_wait(v_cons)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, v_cons.index], acc_o)
+        if cutlass.const_expr(self.fp8):
+            for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(mma_pv0 if kb == 0 else mma_pv, acc_t, tOrP[None, None, kb],
+                          tOrV[None, None, kb, v_cons.index], acc_t)
+        else:
+            for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, v_cons.index], acc_o)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _store_p(self, s, acc_layout, p_lo, tOrP):
+        """P (fp32 in the score registers ``s``) into the A fragments of the P x V wgmma.
+
+        16-bit: rounded in place of the accumulator layout, which *is* the k16 A layout (``_acc_as_a_operand``).
+
+        FP8 (k32, 4 E4M3 values per register): the PTX ISA's 8-bit A fragment gives lane t of a quad (t = lane
+        % 4) k = 4t..4t+3 (bytes 0..3 of a register) and k = 16+4t..16+4t+3, for rows g and g+8 (g = lane / 4).
+        The accumulator gives it columns 8j + 2t + {0, 1}, j = 0..3, of each 32-column block. Instead of moving
+        bytes between lanes (CUTLASS's Hopper FMHA uses shuffles + prmt), the *keys* are permuted: the MMA's
+        k = 16h + 4t + 2a + c multiplies score column 16h + 8a + 2t + c, so every lane packs its own 8 values
+        in order, and the V prepass stores V^T with the same permutation of keys inside every 32-key group
+        (``qattn.quant.v_fp8.key_permutation``). A sum over keys does not care about their order.
+        In fragment terms: A value (v0, v1, v2) of k-block kb <- accumulator value (c = v0 % 2, r = v1,
+        j = 4 kb + 2 v2 + v0 // 2); each register = 2 x cvt.rn.satfinite.e4m3x2.f32 + one mov."""
+        if cutlass.const_expr(not self.fp8):
+            p_lo.store(s.load().to(self.v_dtype))
+        else:
+            p32 = cute.recast_tensor(tOrP, Uint32)
+            regs = cute.make_tensor(p32.iterator, cute.make_layout(cute.cosize(p32.layout)))
+            sf = cute.make_tensor(s.iterator, cute.make_layout(cute.cosize(acc_layout)))
+            for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                for v2 in cutlass.range_constexpr(2):
+                    for v1 in cutlass.range_constexpr(2):
+                        byte = cute.crd2idx(((0, v1, v2), 0, kb), tOrP.layout)
+                        assert byte % 4 == 0 and all(
+                            cute.crd2idx(((v0, v1, v2), 0, kb), tOrP.layout) == byte + v0 for v0 in range(4))
+                        src = [cute.crd2idx(((v0 % 2, v1, 4 * kb + 2 * v2 + v0 // 2), 0, 0), acc_layout)
+                               for v0 in range(4)]
+                        regs[byte // 4] = f32x4_to_e4m3x4(sf[src[0]], sf[src[1]], sf[src[2]], sf[src[3]])
 
     @cute.jit
     def _scores(self, acc_s, s, tScS, col0, m_block, seqlen_k, diag):
@@ -471,6 +603,8 @@ class QKInt8PrefillSm90:
                 m_use = 0.0
             corr[i] = cute.math.exp2(row_max[i] - m_use, fastmath=True)
             row_max[i] = m_new
+            if cutlass.const_expr(self.fp8):  # p = 448 * exp2(x - m): the P scale folded into the offset
+                m_use = m_use - Float32(P_FP8_LOG2_SCALE)
             part = Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 p = cute.math.exp2(s_mn[i, j] * scale - m_use, fastmath=True)

@@ -1,0 +1,139 @@
+"""FP8 (E4M3) V for the FP8 P x V prefill: the format, its exact torch reference, and the GPU prepass launcher.
+
+Format (dense; varlen is not implemented): for V (B, Sk, Hkv, D) bf16/fp16,
+
+* ``v_scale`` fp32 (B, Hkv, D): per (batch, kv head, channel), ``amax / 448`` with ``amax = max |v|`` over the
+  sequence's ``Sk`` tokens, one correctly rounded fp32 division (``amax`` is exact: bf16/fp16 values widen
+  exactly). ``inv = 1 / v_scale`` (RN) when ``v_scale`` is a normal fp32, else 0 (an all-zero channel encodes as 0).
+* ``vt`` float8_e4m3fn (B, Hkv, D, Sk_pad), ``Sk_pad = ceil(Sk / 128) * 128`` (the attention kernel's tile_n;
+  TMA needs 16-byte aligned rows and whole tiles): ``e4m3(v * inv)``, one RN fp32 product then RNE to E4M3,
+  saturating at +-448 (``v * inv`` can exceed 448 by an ulp). Tokens are contiguous ("K-major" for wgmma), the
+  padding tokens are 0, and inside every group of 32 tokens the order is permuted: stored position
+  ``16h + 4t + 2a + c`` holds token ``16h + 8a + 2t + c`` (h, a, c in {0, 1}, t in 0..3; :func:`key_permutation`).
+  That is the order in which a lane of the attention kernel finds its P values in the wgmma accumulator, so P
+  goes into the 8-bit A fragment without moving bytes between lanes (``QKInt8PrefillSm90._store_p``).
+
+V = v_scale * e4m3_decode(vt) (un-permuted) approximates V with 3 mantissa bits per element, relative to its
+channel's amax: per-channel scaling keeps channels with large values (V outlier channels) from drowning the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
+
+__all__ = ["V_TILE", "key_permutation", "quantize_v_fp8_reference", "dequantize_v_fp8_reference", "quantize_v_fp8"]
+
+V_TILE = 128
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 128)
+
+
+def key_permutation(device=None) -> torch.Tensor:
+    """int64 (32,): ``perm[p]`` = the token (0..31) stored at position ``p`` of a group of 32."""
+    p = torch.arange(32, device=device)
+    h, t, a, c = p // 16, (p // 4) % 4, (p // 2) % 2, p % 2
+    return 16 * h + 8 * a + 2 * t + c
+
+
+def _padded(sk: int) -> int:
+    return -(-sk // V_TILE) * V_TILE
+
+
+def _check_v(v) -> None:
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v: expected a torch.Tensor, got {type(v).__name__}")
+    if v.dtype not in _DTYPES:
+        raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+    if v.dim() != 4:
+        raise ValueError(f"v: expected shape (batch, seqlen_k, num_kv_heads, head_dim), got {tuple(v.shape)}")
+    if v.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(f"v: head_dim must be one of {_HEAD_DIMS}, got {v.shape[-1]}")
+
+
+def quantize_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact reference of the V prepass (module docstring): returns ``(vt, v_scale)``, ``vt`` float8_e4m3fn
+    (B, Hkv, D, Sk_pad) with tokens permuted within groups of 32, ``v_scale`` fp32 (B, Hkv, D)."""
+    _check_v(v)
+    B, Sk, H, D = v.shape
+    x = v.float().permute(0, 2, 3, 1)  # B H D Sk, exact
+    amax = x.abs().amax(dim=-1) if Sk else torch.zeros(B, H, D, device=v.device)
+    scale = _div_const(amax, E4M3_MAX)
+    inv = _safe_reciprocal(scale)
+    codes = e4m3_encode(x * inv[..., None])
+    sk_pad = _padded(Sk)
+    vt = torch.zeros(B, H, D, sk_pad, dtype=torch.uint8, device=v.device)
+    vt[..., :Sk] = codes
+    vt = vt.view(B, H, D, sk_pad // 32, 32)[..., key_permutation(v.device)].reshape(B, H, D, sk_pad)
+    return vt.view(torch.float8_e4m3fn), scale.contiguous()
+
+
+def dequantize_v_fp8_reference(vt: torch.Tensor, v_scale: torch.Tensor, seqlen_k: int, *,
+                               scaled: bool = True) -> torch.Tensor:
+    """(B, seqlen_k, Hkv, D) fp32 values of ``vt`` in token order: ``v_scale * e4m3`` (``scaled``) or the bare
+    E4M3 values (what the tensor core multiplies)."""
+    B, H, D, sk_pad = vt.shape
+    codes = vt.view(torch.uint8).reshape(B, H, D, sk_pad // 32, 32)
+    inv_perm = torch.argsort(key_permutation(vt.device))
+    codes = codes[..., inv_perm].reshape(B, H, D, sk_pad)[..., :seqlen_k]
+    vals = e4m3_decode(codes.contiguous())
+    if scaled:
+        vals = vals * v_scale[..., None]
+    return vals.permute(0, 3, 1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU launcher
+# ------------------------------------------------------------------------------------------------
+def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (tests may replace it with one that poisons the memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The V prepass on the GPU (:mod:`qattn.cute_kernels.sm90.v_fp8_quant`, two launches on the current
+    stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte.
+
+    ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
+    they are when 16-byte aligned, otherwise ``v`` is copied)."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+
+    from ..cute_kernels.sm90 import v_fp8_quant as m
+    from ..interface.variants import supported_arch
+    from .launch import _k_chunks, _kernel_view, _num_sms, _strides
+
+    _check_v(v)
+    if not v.is_cuda:
+        raise ValueError(f"v: expected a CUDA tensor, got device {v.device} (use quantize_v_fp8_reference on the CPU)")
+    B, Sk, H, D = v.shape
+    if max(B, H) > 65535:
+        raise ValueError("v: at most 65535 batches / kv heads (grid limit)")
+    dev = v.device
+    sk_pad = _padded(Sk)
+    if B * H * D * sk_pad >= 2**31 or Sk >= 2**30:
+        raise ValueError("v: too large for the prepass's 32-bit indexing; split the batch")
+    vt = _alloc((B, H, D, sk_pad), torch.uint8, dev)
+    scale = _alloc((B, H, D), torch.float32, dev)
+    if B == 0 or H == 0:
+        return vt.view(torch.float8_e4m3fn), scale
+    if Sk == 0:
+        scale.zero_()
+        return vt.view(torch.float8_e4m3fn), scale
+    v = _kernel_view(v)
+    sb, ss, sh = (Int64(s) for s in _strides(v))
+    in_bf16 = v.dtype == torch.bfloat16
+    with torch.cuda.device(dev):
+        arch = supported_arch(dev)
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        acfg = m.VAmaxPartial(D, in_bf16)
+        amax_k = m.compiled_amax(acfg, arch)
+        tq = m.compiled_transpose(m.VFp8TransposeQuant(D, in_bf16), arch)
+        num_chunks, chunk_rows = _k_chunks(Sk, B * H, acfg.rows_per_step, _num_sms(dev))
+        partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
+        amax_k(Int64(v.data_ptr()), Int64(partial.data_ptr()), Int32(B), Int32(Sk), Int32(H), Int32(num_chunks),
+               Int32(chunk_rows), sb, ss, sh, stream)
+        tq(Int64(v.data_ptr()), Int64(partial.data_ptr()), Int64(vt.data_ptr()), Int64(scale.data_ptr()), Int32(B),
+           Int32(Sk), Int32(H), Int32(num_chunks), Int32(sk_pad // V_TILE), sb, ss, sh, stream)
+    return vt.view(torch.float8_e4m3fn), scale

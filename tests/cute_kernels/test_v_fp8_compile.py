@@ -1,0 +1,33 @@
+"""CPU: the FP8 V prepass kernels compile for sm_90a with the instructions their numerics depend on."""
+
+from __future__ import annotations
+
+import pytest
+
+from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count, ptx_has
+from qattn.cute_kernels.sm90 import v_fp8_quant as m
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.mark.parametrize("in_bf16", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_v_prepass_compiles(D, in_bf16):
+    ptx = compile_for_arch(m.VAmaxPartial(D, in_bf16), *m.amax_placeholder_args(), arch="sm_90a")[1]
+    assert ptx_count(ptx, r"ld\.global\.v4") == m.UNROLL  # 16-byte loads, UNROLL in flight
+    assert not ptx_has(ptx, r"\.local")
+    cfg = m.VFp8TransposeQuant(D, in_bf16)
+    ptx = compile_for_arch(cfg, *m.transpose_placeholder_args(), arch="sm_90a")[1]
+    assert ptx_count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * cfg.items  # 16 values per item
+    assert ptx_count(ptx, r"st\.global\.v4") == cfg.items  # one 16-byte store per item
+    assert ptx_count(ptx, r"ld\.global\.v4") == cfg.passes
+    assert ptx_count(ptx, r"div\.rn\.f32") == 2  # scale = amax / 448 and 1 / scale, both correctly rounded
+    assert ptx_has(ptx, r"mul\.rn\.f32")
+    assert not ptx_has(ptx, r"\.local")
+
+
+def test_prepass_config_checks():
+    with pytest.raises(ValueError, match="head_dim"):
+        m.VAmaxPartial(256)
+    with pytest.raises(ValueError, match="head_dim"):
+        m.VFp8TransposeQuant(96)
