@@ -97,10 +97,8 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
     they are when 16-byte aligned, otherwise ``v`` is copied)."""
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
-
     from ..cute_kernels.sm90 import v_fp8_quant as m
+    from ..interface.fast_launch import fast
     from ..interface.variants import supported_arch
     from .launch import _k_chunks, _kernel_view, _num_sms, _strides
 
@@ -122,18 +120,17 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale.zero_()
         return vt.view(torch.float8_e4m3fn), scale
     v = _kernel_view(v)
-    sb, ss, sh = (Int64(s) for s in _strides(v))
+    sb, ss, sh = _strides(v)
     in_bf16 = v.dtype == torch.bfloat16
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        stream = torch.cuda.current_stream(dev).cuda_stream
         acfg = m.VAmaxPartial(D, in_bf16)
         amax_k = m.compiled_amax(acfg, arch)
         tq = m.compiled_transpose(m.VFp8TransposeQuant(D, in_bf16), arch)
         num_chunks, chunk_rows = _k_chunks(Sk, B * H, acfg.rows_per_step, _num_sms(dev))
         partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
-        amax_k(Int64(v.data_ptr()), Int64(partial.data_ptr()), Int32(B), Int32(Sk), Int32(H), Int32(num_chunks),
-               Int32(chunk_rows), sb, ss, sh, stream)
-        tq(Int64(v.data_ptr()), Int64(partial.data_ptr()), Int64(vt.data_ptr()), Int64(scale.data_ptr()), Int32(B),
-           Int32(Sk), Int32(H), Int32(num_chunks), Int32(sk_pad // V_TILE), sb, ss, sh, stream)
+        fast(amax_k)(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, stream)
+        fast(tq)(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
+                 sk_pad // V_TILE, sb, ss, sh, stream)
     return vt.view(torch.float8_e4m3fn), scale
