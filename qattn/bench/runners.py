@@ -159,6 +159,16 @@ def _qattn_prefill_kernel_only(q, k, v, causal):
     return lambda: prefill_int8(q8, qs, k8, ks, v, causal=causal)
 
 
+def _qattn_prefill_fp8pv_kernel_only(q, k, v, causal):
+    from ..interface.prefill import prefill_int8
+    from ..quant.launch import quantize_qk_int8
+    from ..quant.v_fp8 import quantize_v_fp8
+
+    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
+    vt, vs = quantize_v_fp8(v)
+    return lambda: prefill_int8(q8, qs, k8, ks, vt, causal=causal, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
+
+
 def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, log=print):
     rows, dev = [], "cuda"
     have = {p: P.available(p) for p in peers}
@@ -177,6 +187,9 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         impls.append(("qattn int8-QK", _qattn_prefill_kernel_only if ours else None, "kernel"))
         impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
                       if ours else None, "end-to-end"))
+        impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_kernel_only if ours else None, "kernel"))
+        impls.append(("qattn int8-QK fp8-PV", (lambda q, k, v, causal: (
+            lambda: ours(q, k, v, causal=causal, pv_dtype="fp8"))) if ours else None, "end-to-end"))
         for name, mk, scope in impls:
             ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
             if not ok:
