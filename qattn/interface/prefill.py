@@ -291,6 +291,21 @@ def flash_attn_func(
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
+        from .torch_ops import prefill_op
+
+        out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype)
+    else:
+        out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
+                                          pv_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
+                           pv_dtype: str):
+    """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8
 
     if pv_dtype == "fp8":
@@ -304,9 +319,9 @@ def flash_attn_func(
 
         vt, vs = quantize_v_fp8(v)
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                            return_lse=return_lse, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
+                            return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                        return_lse=return_lse)
+                        return_lse=True)
 
 
 def flash_attn_varlen_func(
@@ -343,6 +358,22 @@ def flash_attn_varlen_func(
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if torch.compiler.is_compiling():
+        from .torch_ops import prefill_varlen_op
+
+        out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                     bool(causal), float(softmax_scale), granularity, bool(smooth_k))
+    else:
+        out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 bool(causal), float(softmax_scale), granularity, bool(smooth_k))
+    return (out, lse) if return_lse else out
+
+
+def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                  causal: bool, softmax_scale: float, granularity: str, smooth_k: bool):
+    """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8_varlen
 
     q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -350,7 +381,7 @@ def flash_attn_varlen_func(
                                                 warp_q=WARP_Q, block_k=BLOCK_K)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                               return_lse=return_lse)
+                               return_lse=True)
 
 
 def _build_prefill(cfg: PrefillConfig, arch: str):

@@ -164,6 +164,20 @@ def test_flash_attn_varlen_func_end_to_end(causal):
         assert (o[a:b].unsqueeze(0).double() - ref).abs().max() / ref.abs().max() <= 1e-2
 
 
+def test_torch_compile_fullgraph_matches_eager():
+    import qattn
+
+    q, k, v = _inputs(1, 300, 300, 4, 2, 128, torch.bfloat16, seed=21)
+
+    def layer(q, k, v):
+        return qattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    torch._dynamo.reset()
+    o_c, lse_c = torch.compile(layer, fullgraph=True)(q, k, v)
+    o_e, lse_e = layer(q, k, v)
+    assert torch.equal(o_c, o_e) and torch.equal(lse_c, lse_e)
+
+
 def _varlen_inputs(lens_q, lens_k, Hq, Hkv, D, granularity, seed=0):
     """Packed q/k/v and the per-sequence dense-reference quantization laid out as the varlen prepass does
     (scales padded to the longest sequence, zeros in the unused tail groups)."""

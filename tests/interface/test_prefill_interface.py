@@ -118,3 +118,47 @@ def test_prefill_int8_fp8_inputs_checked():
         prefill_int8(q8, qs, k8, ks, vt, pv_dtype="e5m2", v_scale=vs)
     with pytest.raises(ValueError, match="v_scale"):
         prefill_int8(*_args(), v_scale=vs)
+
+
+def test_prefill_traces_as_one_op_without_graph_breaks():
+    """torch.compile(fullgraph=True) of a prefill layer: flash_attn_func / flash_attn_varlen_func become the
+    qattn::prefill / qattn::prefill_varlen custom ops (fake shapes on the CPU; the kernels never run here)."""
+    import qattn
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    def layer(q, k, v, cu):
+        o, lse = qattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        ov = qattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16, causal=True)
+        return o * 2, lse, ov
+
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    torch._dynamo.reset()
+    torch.compile(layer, fullgraph=True, backend=record)(q, k, k.clone(), cu)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("qattn.prefill.default" in t for t in targets) and any("qattn.prefill_varlen" in t for t in targets)
+
+
+def test_prefill_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import qattn.interface.torch_ops  # noqa: F401  (registers the ops)
+
+    with FakeTensorMode():
+        q = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 500, 2, 128, dtype=torch.bfloat16)
+        out, lse = torch.ops.qattn.prefill(q, k, k, True, 0.1, "per_warp", True, "bf16")
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 300)
+        qv = torch.empty(700, 8, 64, dtype=torch.float16)
+        cu = torch.empty(4, dtype=torch.int32)
+        out, lse = torch.ops.qattn.prefill_varlen(qv, qv[:, :2], qv[:, :2], cu, cu, 300, 300, False, 0.1,
+                                                  "per_block", True)
+        assert out.shape == qv.shape and lse.shape == (8, 700)
