@@ -187,6 +187,8 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         impls.append(("qattn int8-QK", _qattn_prefill_kernel_only if ours else None, "kernel"))
         impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
                       if ours else None, "end-to-end"))
+        impls.append(("qattn 16-bit QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, qk_quant=None)))
+                      if ours else None, "kernel"))  # the same kernel unquantized: the A/B of INT8 QK^T
         impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_kernel_only if ours else None, "kernel"))
         impls.append(("qattn int8-QK fp8-PV", (lambda q, k, v, causal: (
             lambda: ours(q, k, v, causal=causal, pv_dtype="fp8"))) if ours else None, "end-to-end"))

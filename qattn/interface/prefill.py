@@ -258,6 +258,42 @@ def prefill_int8_varlen(
     return (out, lse) if return_lse else out
 
 
+def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float):
+    """The unquantized A/B path of the same kernel (``qk_quant=None``): Q, K, V in one 16-bit dtype, fp32 scores.
+    Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
+    varlen = cu_q is not None
+    if q.dim() != (3 if varlen else 4) or k.dim() != q.dim() or v.shape != k.shape:
+        raise ValueError(f"q, k, v: expected {'packed (total, heads, head_dim)' if varlen else '(batch, seqlen, heads, head_dim)'}"
+                         f" tensors with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    D, Hq, Hkv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if D not in HEAD_DIMS or k.shape[-1] != D:
+        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    if not q.is_cuda or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
+    if max(q.numel(), k.numel()) >= 2**31:
+        raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
+    _check_arch(q.device)
+    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
+                        varlen=varlen, qk_dtype="bf16")
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = torch.empty_like(q)
+    if varlen:
+        num_seqs = cu_q.shape[0] - 1
+        lse = torch.empty((Hq, q.shape[0]), dtype=torch.float32, device=q.device)
+        _launch(cfg, q, k, v, out, lse, None, None, cu_q.contiguous(), cu_k.contiguous(), 1, num_seqs, q.shape[0],
+                k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale)
+    else:
+        B, Sq = q.shape[:2]
+        if k.shape[0] != B:
+            raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        _launch(cfg, q, k, v, out, lse, None, None, None, None, B, B, Sq, k.shape[1], Sq, Hq, Hkv, 0, 0,
+                softmax_scale)
+    return out, lse
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,10 +316,12 @@ def flash_attn_func(
     (then a third launch, the V prepass ``qattn.quant.v_fp8.quantize_v_fp8``: per-channel scaled E4M3 V^T).
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
     """
-    if qk_quant != "int8":
-        raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
+    if qk_quant not in ("int8", None):
+        raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
+    if qk_quant is None and pv_dtype != "bf16":
+        raise ValueError("pv_dtype: qk_quant=None (the unquantized A/B path) runs P x V in V's dtype only")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -296,17 +334,21 @@ def flash_attn_func(
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         from .torch_ops import prefill_op
 
-        out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype)
+        out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype,
+                              qk_quant or "none")
     else:
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                          pv_dtype)
+                                          pv_dtype, qk_quant or "none")
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                           pv_dtype: str):
+                           pv_dtype: str, qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8
+
+    if qk_quant == "none":
+        return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale)
 
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
@@ -345,8 +387,8 @@ def flash_attn_varlen_func(
     (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
     (``qattn.quant.quantize_qk_int8_varlen``: groups never cross sequences, K smoothed per sequence) + kernel
     (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q)."""
-    if qk_quant != "int8":
-        raise ValueError(f"qk_quant: only 'int8' is implemented on SM90 so far, got {qk_quant!r} (no fallback)")
+    if qk_quant not in ("int8", None):
+        raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     if pv_dtype == "fp8":
         raise ValueError("pv_dtype: 'fp8' is not implemented for varlen prefill yet (dense flash_attn_func only)")
     if pv_dtype != "bf16":
@@ -364,17 +406,23 @@ def flash_attn_varlen_func(
         from .torch_ops import prefill_varlen_op
 
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                     bool(causal), float(softmax_scale), granularity, bool(smooth_k))
+                                     bool(causal), float(softmax_scale), granularity, bool(smooth_k),
+                                     qk_quant or "none")
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                 bool(causal), float(softmax_scale), granularity, bool(smooth_k))
+                                                 bool(causal), float(softmax_scale), granularity, bool(smooth_k),
+                                                 qk_quant or "none")
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                                  causal: bool, softmax_scale: float, granularity: str, smooth_k: bool):
+                                  causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
+                                  qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8_varlen
+
+    if qk_quant == "none":
+        return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
     q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
@@ -411,4 +459,9 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
                                  f"{' pv-fp8' if pv == 'fp8' else ''}")
                         out.append(Variant("prefill", (arch,) + cfg.key, label,
                                            lambda cfg=cfg: _build_prefill(cfg, arch)))
+                for varlen in (False, True):  # qk_quant=None, the unquantized A/B path
+                    cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity="per_block",
+                                        varlen=varlen, qk_dtype="bf16")
+                    label = f"D{d} {vd} {'causal' if causal else 'full'} qk-16bit{' varlen' if varlen else ''}"
+                    out.append(Variant("prefill", (arch,) + cfg.key, label, lambda cfg=cfg: _build_prefill(cfg, arch)))
     return out

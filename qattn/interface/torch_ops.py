@@ -126,15 +126,16 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
 
 @torch.library.custom_op("qattn::prefill", mutates_args=())
 def prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-               granularity: str, smooth_k: bool, pv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel) as one op: returns (out, lse)."""
+               granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel; ``qk_quant`` "int8" or "none") as one op:
+    returns (out, lse)."""
     from .prefill import _flash_attn_func_eager
 
-    return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype)
+    return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant)
 
 
 @prefill_op.register_fake
-def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype):
+def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -142,16 +143,17 @@ def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype):
 @torch.library.custom_op("qattn::prefill_varlen", mutates_args=())
 def prefill_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                      softmax_scale: float, granularity: str, smooth_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      softmax_scale: float, granularity: str, smooth_k: bool,
+                      qk_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_varlen_func`` as one op: returns (out (total_q, Hq, D), lse (Hq, total_q))."""
     from .prefill import _flash_attn_varlen_func_eager
 
     return _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, granularity, smooth_k)
+                                         softmax_scale, granularity, smooth_k, qk_quant)
 
 
 @prefill_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, granularity,
-      smooth_k):
+      smooth_k, qk_quant):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)

@@ -89,3 +89,13 @@ def test_pv_dtype_in_key_and_checked():
         PrefillConfig(**base, pv_dtype="fp4")
     with pytest.raises(ValueError, match="varlen"):
         PrefillConfig(**base, pv_dtype="fp8", varlen=True)
+
+
+@pytest.mark.parametrize("D,causal,varlen", [(64, True, False), (128, False, True)])
+def test_unquantized_qk_variant_uses_16bit_wgmma_only(D, causal, varlen):
+    ptx = _compile(PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_block", varlen=varlen,
+                                 qk_dtype="bf16"))
+    assert not ptx_has(ptx, ".s8.s8")
+    # Q K^T: D/16 k-steps (m64n128k16), P V: 8 k-steps (m64n{D}k16), prologue/epilogue + loop each
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2 * (D // 16) + (16 if D == 128 else 0)
+    assert not ptx_has(ptx, "ld.local")

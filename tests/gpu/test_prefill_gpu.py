@@ -164,6 +164,27 @@ def test_flash_attn_varlen_func_end_to_end(causal):
         assert (o[a:b].unsqueeze(0).double() - ref).abs().max() / ref.abs().max() <= 1e-2
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_unquantized_qk_path_vs_exact(causal, D):
+    """qk_quant=None: the same kernel with 16-bit Q K^T (the A/B baseline): kernel error only."""
+    import qattn
+    from qattn.reference.attention import attention_reference
+
+    q, k, v = _inputs(2, 300, 333, 4, 2, D, torch.bfloat16, seed=31 + D)
+    o, lse = qattn.flash_attn_func(q, k, v, causal=causal, qk_quant=None, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
+    assert (o.double() - ref).abs().max() / ref.abs().max() <= 1e-2
+    assert (lse.double() - ref_lse).abs().max() <= 1e-3
+    lens = [5, 300, 128]
+    cu = torch.tensor([0, 5, 305, 433], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (torch.randn(433, h, D, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    ov = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 300, 300, causal=causal, qk_quant=None)
+    for a, b in ((0, 5), (5, 305), (305, 433)):
+        r = attention_reference(qv[None, a:b], kv[None, a:b], vv[None, a:b], causal=causal)
+        assert (ov[None, a:b].double() - r).abs().max() / r.abs().max() <= 1e-2
+
+
 def test_torch_compile_fullgraph_matches_eager():
     import qattn
 

@@ -49,6 +49,10 @@ def test_flash_attn_func_rejects_unimplemented_modes():
     with pytest.raises(ValueError, match="qk_quant"):
         flash_attn_func(q, q, q, qk_quant="fp8")
     with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_func(q, q, q, qk_quant=None, pv_dtype="fp8")
+    with pytest.raises(ValueError, match="CUDA"):  # the unquantized path validates, then needs a GPU
+        flash_attn_func(q, q, q, qk_quant=None)
+    with pytest.raises(ValueError, match="pv_dtype"):
         flash_attn_func(q, q, q, pv_dtype="fp4")
     with pytest.raises(ValueError, match="CUDA"):  # fp8 P x V is implemented: only the device is wrong here
         flash_attn_func(q, q, q, pv_dtype="fp8")
@@ -63,11 +67,15 @@ def test_warmup_lists_the_runtime_prefill_keys():
     from qattn.interface.variants import enumerate_variants
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
-    assert len(keys) == 2 * 2 * 2 * 2 * 3
+    assert len(keys) == 2 * 2 * 2 * (2 * 3 + 2)
     for causal in (False, True):  # what prefill_int8 / prefill_int8_varlen build at run time
         for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):
             cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", varlen=varlen,
                                 pv_dtype=pv)
+            assert ("sm_90a",) + cfg.key in keys
+        for varlen in (False, True):
+            cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_block", varlen=varlen,
+                                qk_dtype="bf16")
             assert ("sm_90a",) + cfg.key in keys
     assert enumerate_variants("prefill", "sm_100a") == []
 
@@ -78,10 +86,10 @@ def test_warmup_cli_compiles_prefill_then_reports_cached(tmp_path):
 
     args = ["--arch", "sm_90a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
     first = run_cli(*args, cache_dir=tmp_path)
-    assert first.returncode == 0 and "12 variants, 0 failed" in first.stdout, first.stdout + first.stderr
+    assert first.returncode == 0 and "16 variants, 0 failed" in first.stdout, first.stdout + first.stderr
     second = run_cli(*args, cache_dir=tmp_path)
     rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_90a")]
-    assert second.returncode == 0 and len(rows) == 12 and all(" cached " in ln for ln in rows)
+    assert second.returncode == 0 and len(rows) == 16 and all(" cached " in ln for ln in rows)
 
 
 def test_varlen_rejects_fp8_pv():
@@ -155,10 +163,10 @@ def test_prefill_fake_shapes():
     with FakeTensorMode():
         q = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16)
         k = torch.empty(2, 500, 2, 128, dtype=torch.bfloat16)
-        out, lse = torch.ops.qattn.prefill(q, k, k, True, 0.1, "per_warp", True, "bf16")
+        out, lse = torch.ops.qattn.prefill(q, k, k, True, 0.1, "per_warp", True, "bf16", "int8")
         assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 300)
         qv = torch.empty(700, 8, 64, dtype=torch.float16)
         cu = torch.empty(4, dtype=torch.int32)
         out, lse = torch.ops.qattn.prefill_varlen(qv, qv[:, :2], qv[:, :2], cu, cu, 300, 300, False, 0.1,
-                                                  "per_block", True)
+                                                  "per_block", True, "none")
         assert out.shape == qv.shape and lse.shape == (8, 700)

@@ -37,6 +37,9 @@ class PrefillConfig:
     # "bf16": P x V in V's 16-bit dtype (v_dtype); "fp8": P and V^T in E4M3 (V per-channel scaled, transposed and
     # key-permuted by the V prepass, ``qattn.quant.v_fp8``), two-level fp32 accumulation. Dense only so far.
     pv_dtype: str = "bf16"
+    # "int8": SageAttention-style int8 Q / K with fp32 scales; "bf16": Q and K in V's 16-bit dtype, no
+    # quantization (flash_attn_func(qk_quant=None), the A/B baseline of the same kernel)
+    qk_dtype: str = "int8"
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -51,6 +54,10 @@ class PrefillConfig:
             raise ValueError(f"pv_dtype: expected one of {_PV_DTYPES}, got {self.pv_dtype!r}")
         if self.pv_dtype == "fp8" and self.varlen:
             raise ValueError("pv_dtype: 'fp8' is implemented for dense (non-varlen) prefill only")
+        if self.qk_dtype not in ("int8", "bf16"):
+            raise ValueError(f"qk_dtype: expected 'int8' or 'bf16', got {self.qk_dtype!r}")
+        if self.qk_dtype == "bf16" and self.pv_dtype != "bf16":
+            raise ValueError("pv_dtype: the unquantized QK path (qk_dtype 'bf16') runs P x V in V's dtype only")
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
@@ -58,6 +65,7 @@ class PrefillConfig:
     def key(self) -> tuple:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
         pv = "pv_" + self.v_dtype if self.pv_dtype == "bf16" else "pv_fp8e4m3"
-        return ("prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, pv, self.causal,
+        qk = ("int8", "int8") if self.qk_dtype == "int8" else (self.v_dtype, self.v_dtype)
+        return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
                 self.tile_n)

@@ -103,6 +103,10 @@ class QKInt8PrefillSm90:
         self.v_dtype = BFloat16 if cfg.v_dtype == "bf16" else Float16
         self.fp8 = cfg.pv_dtype == "fp8"
         self.pv_ab = Float8E4M3FN if self.fp8 else self.v_dtype  # the P x V operand type
+        # qk_dtype "bf16": the plain 16-bit path for A/B (Q, K in V's dtype, fp32 scores, no scales)
+        self.int8_qk = cfg.qk_dtype == "int8"
+        self.qk_ab = Int8 if self.int8_qk else self.v_dtype
+        self.qk_acc = Int32 if self.int8_qk else Float32
 
     @property
     def key(self) -> tuple:
@@ -130,10 +134,10 @@ class QKInt8PrefillSm90:
         gmem = cute.AddressSpace.gmem
         # FlashAttention layouts, (batch, seqlen, heads, head_dim) contiguous; viewed (seqlen, dim, head, batch).
         q_row, k_row = num_heads * D, num_kv_heads * D
-        mQ = cute.make_tensor(cute.make_ptr(Int8, q_addr, gmem, assumed_align=16),
+        mQ = cute.make_tensor(cute.make_ptr(self.qk_ab, q_addr, gmem, assumed_align=16),
                               cute.make_layout((seqlen_q, D, num_heads, batch),
                                                stride=(q_row, 1, D, seqlen_q * q_row)))
-        mK = cute.make_tensor(cute.make_ptr(Int8, k_addr, gmem, assumed_align=16),
+        mK = cute.make_tensor(cute.make_ptr(self.qk_ab, k_addr, gmem, assumed_align=16),
                               cute.make_layout((seqlen_k, D, num_kv_heads, batch),
                                                stride=(k_row, 1, D, seqlen_k * k_row)))
         if cutlass.const_expr(self.fp8):
@@ -152,8 +156,8 @@ class QKInt8PrefillSm90:
         # Two copies of the QK^T MMA, for the first k-block (overwrite) and the others (accumulate): the
         # ACCUMULATE field is set once per copy at the top of the consumer, never inside a staged branch.
         mma_qk, mma_qk_acc = [sm90_utils.make_trivial_tiled_mma(
-            Int8, Int8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Int32, (TM // 64, 1, 1),
-            (64, TN)) for _ in range(2)]
+            self.qk_ab, self.qk_ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, self.qk_acc,
+            (TM // 64, 1, 1), (64, TN)) for _ in range(2)]
         mma_pv0 = None
         if cutlass.const_expr(self.fp8):
             # two copies again: each tile's P x V starts from zero (first k-block) and accumulates (the others)
@@ -165,9 +169,9 @@ class QKInt8PrefillSm90:
                 vdt, vdt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
                 (64, D), warpgroup.OperandSource.RMEM)
 
-        sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, 1),
+        sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.qk_ab, 1),
                                 (None, None, 0))
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, D), Int8, ST)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.qk_ab, ST)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR,
                                                   (TM, D, TN), pv_ab, ST)
 
@@ -175,8 +179,8 @@ class QKInt8PrefillSm90:
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TM, D))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (TN, D))
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, TN))
-        self.q_bytes = cute.size_in_bytes(Int8, sQ_layout)
-        self.k_bytes = cute.size_in_bytes(Int8, cute.slice_(sK_layout, (None, None, 0)))
+        self.q_bytes = cute.size_in_bytes(self.qk_ab, sQ_layout)
+        self.k_bytes = cute.size_in_bytes(self.qk_ab, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(pv_ab, cute.slice_(sV_layout, (None, None, 0)))
 
         @cute.struct
@@ -184,8 +188,8 @@ class QKInt8PrefillSm90:
             q_mbar: cute.struct.MemRange[Int64, 2]
             k_mbar: cute.struct.MemRange[Int64, ST * 2]
             v_mbar: cute.struct.MemRange[Int64, ST * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[Int8, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
@@ -376,12 +380,16 @@ class QKInt8PrefillSm90:
         q_group = m_block
         if cutlass.const_expr(cfg.granularity == "per_warp"):
             q_group = m_block * (TM // 16) + ctid // 32
-        q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
-                                   cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
-        mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),
-                               cute.make_layout(1 << 30))
-        ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
-        qs_log2 = q_scale * scale_log2
+        qs_log2 = scale_log2
+        mKS = None
+        ks_base = Int32(0)
+        if cutlass.const_expr(self.int8_qk):
+            q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
+                                       cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
+            mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),
+                                   cute.make_layout(1 << 30))
+            ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
+            qs_log2 = q_scale * scale_log2
         diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
 
         q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -410,7 +418,7 @@ class QKInt8PrefillSm90:
             warpgroup.wait_group(0)
             k_pipe.consumer_release(st)
             self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, diag)
-            self._softmax(s, s_rc, qs_log2 * mKS[ks_base], row_max, row_sum, corr)
+            self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
         for n in cutlass.range(1, n_blocks, unroll=1):
             st = _consumer_state(n, cfg.kv_stages)
@@ -422,7 +430,7 @@ class QKInt8PrefillSm90:
             warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
             k_pipe.consumer_release(st)
             self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
-            self._softmax(s, s_rc, qs_log2 * mKS[ks_base + n], row_max, row_sum, corr)
+            self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
             warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
             v_pipe.consumer_release(st_prev)
             o_mn = cute.make_tensor(acc_o.iterator, o_rc)
@@ -557,6 +565,15 @@ class QKInt8PrefillSm90:
                         regs[byte // 4] = f32x4_to_e4m3x4(sf[src[0]], sf[src[1]], sf[src[2]], sf[src[3]])
 
     @cute.jit
+    def _tile_scale(self, qs_log2, mKS, ks_index):
+        """log2-domain scale of a tile's raw scores: q_scale * k_scale * softmax_scale * log2 e (int8 QK), or
+        softmax_scale * log2 e (bf16 QK)."""
+        scale = qs_log2
+        if cutlass.const_expr(self.int8_qk):
+            scale = qs_log2 * mKS[ks_index]
+        return scale
+
+    @cute.jit
     def _scores(self, acc_s, s, tScS, col0, m_block, seqlen_k, diag):
         """s = float(acc_s), keys a row may not see set to -inf; ``s`` aliases ``acc_s``.
 
@@ -564,8 +581,9 @@ class QKInt8PrefillSm90:
         |x| < 2^22, the bits of x + 0x4B400000 are the float 1.5 * 2^23 + x, so one integer add and one exact
         float subtract give float(x). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128."""
         cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
-        acc_s.store(acc_s.load() + Int32(0x4B400000))
-        s.store(s.load() - Float32(12582912.0))
+        if cutlass.const_expr(self.int8_qk):  # the bf16 QK path's accumulator is fp32 already
+            acc_s.store(acc_s.load() + Int32(0x4B400000))
+            s.store(s.load() - Float32(12582912.0))
         # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
         # to its first row
         first_row_end = seqlen_k
