@@ -60,7 +60,7 @@ class DecodeConfigSm100:
     page_size: int
     causal: bool
     split: bool  # fp32 partial O + LSE for combine.py instead of the output
-    q_terms: int = 1  # Q = sum of q_terms FP4 tensors (2: residual split, one more QK MMA per tile)
+    q_terms: int = 2  # Q = sum of q_terms FP4 tensors (2, default: residual split, ~8x less Q error; 1: plain)
     stages: int = 2  # TMA stages of the (K payload, K scales, V payload, V scales) tile
 
     def __post_init__(self) -> None:
@@ -77,6 +77,9 @@ class DecodeConfigSm100:
             raise ValueError(f"q_terms: expected 1 or 2, got {self.q_terms}")
         qk_kind(self.k_fmt)
         v_dtype_for(self.v_fmt)
+        if (self.head_dim // self.sf_vec) % 4:
+            raise ValueError(f"head_dim: {self.head_dim} gives {self.head_dim // self.sf_vec} block scales per row; the "
+                             "tcgen05 scale-factor atom holds 4 along K (mxfp4 block 32 needs head_dim 128)")
         for f in (self.k_fmt, self.v_fmt):
             f.check_head_dim(self.head_dim)
 
