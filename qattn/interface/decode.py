@@ -69,9 +69,11 @@ def combine_compile_args():
 
 def _check_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
+    if major == 10:  # --- SM100 dispatch hook (issue 6): Blackwell -> decode_sm100.py (never ran on hardware)
+        return "sm_100a"
     if (major, minor) != (9, 0):
-        raise ValueError(f"q: device {device} is sm_{major}{minor}; the decode kernel is built for SM90 (H100/H200) "
-                         "only (no fallback)")
+        raise ValueError(f"q: device {device} is sm_{major}{minor}; the decode kernels are built for SM90 (H100/H200) "
+                         "and SM100 (B200/GB200) only (no fallback)")
     return "sm_90a"
 
 
@@ -193,6 +195,12 @@ def _flash_attn_with_kvcache_eager(
         if tuple(out.shape) != tuple(q.shape) or out.device != q.device or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
     arch = _check_arch(q.device)
+    if arch == "sm_100a":  # --- SM100 dispatch hook (issue 6)
+        from .decode_sm100 import flash_attn_with_kvcache_sm100
+
+        return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
+                                             softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                             return_lse=return_lse, out=out)
 
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
 

@@ -1,0 +1,33 @@
+"""Shared builders for the SM100 CPU tests: a random paged cache (shuffled blocks) over given K/V."""
+
+from __future__ import annotations
+
+import torch
+
+from qattn.layouts.paged import PagedKVCache
+from qattn.reference.kv_ops import write_kv_reference
+
+
+def make_case(fmt: str, *, B=2, H=2, G=4, Sq=1, D=128, page=16, lens=(300, 77), outliers=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lens[:B], dtype=torch.int32)
+    max_len = int(lens.max())
+    nblk_seq = -(-max_len // page)
+    num_blocks = B * nblk_seq + 3
+    cache = PagedKVCache(1, num_blocks, page, H, D, fmt)
+    k = torch.randn(B, max_len, H, D, generator=g)
+    v = torch.randn(B, max_len, H, D, generator=g)
+    q = torch.randn(B, Sq, H * G, D, generator=g)
+    if outliers:  # a few large key channels and some spiky query / value entries
+        k[..., 3] *= 20.0
+        k[..., 77 % D] *= 8.0
+        q[..., 5] *= 10.0
+        v[:, ::13] *= 6.0
+    perm = torch.randperm(num_blocks - 1, generator=g)[: B * nblk_seq] + 1
+    bt = perm.reshape(B, nblk_seq).to(torch.int32)
+    for b in range(B):
+        n = int(lens[b])
+        t = torch.arange(n)
+        slots = bt[b, t // page].long() * page + t % page
+        write_kv_reference(cache, 0, k[b, :n], v[b, :n], slots)
+    return q.to(torch.bfloat16), k, v, cache, lens, bt

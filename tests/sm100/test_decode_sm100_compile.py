@@ -1,0 +1,56 @@
+"""CPU CI: every SM100 decode variant class compiles for sm_100a and its PTX holds the block-scaled tcgen05.mma,
+TMEM allocation, the SMEM->TMEM scale copies and TMA loads. Compile times are recorded in
+``$QATTN_COMPILE_TIMES`` (default: none) and printed. NOTE: these kernels never ran on hardware."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
+from qattn.cute_kernels.sm100.decode import DecodeSm100, decode_sm100_compile_args
+from qattn.cute_kernels.sm100.decode_config import DecodeConfigSm100
+from qattn.layouts.formats import kv_format
+
+# (format, head_dim, page, group, causal, split, q_terms) -> expected MMA kind
+CASES = [
+    ("nvfp4", 128, 16, 8, True, True, 2, r"kind::mxf4nvf4\.block_scale\.block16"),
+    ("nvfp4", 64, 256, 4, True, False, 1, r"kind::mxf4nvf4\.block_scale\.block16"),
+    ("mxfp4", 128, 64, 8, True, True, 2, r"kind::mxf4nvf4\.block_scale\.block32"),  # MmaMXF4Op lowers to this
+    ("mxfp4_b16", 64, 128, 16, False, False, 2, r"kind::mxf4nvf4\.block_scale\.block16"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[1]}-p{c[2]}-g{c[3]}-qt{c[6]}"
+                         f"{'-split' if c[5] else ''}")
+def test_decode_sm100_compiles(case):
+    fmt, D, page, group, causal, split, qt, kind = case
+    cfg = DecodeConfigSm100(kv_format(fmt), kv_format(fmt), D, "bf16", group, page, causal, split, q_terms=qt)
+    t0 = time.perf_counter()
+    _, ptx = compile_for_arch(DecodeSm100(cfg), *decode_sm100_compile_args(), arch="sm_100a")
+    dt = time.perf_counter() - t0
+    print(f"compile {case[:7]}: {dt:.2f} s")
+    path = os.environ.get("QATTN_COMPILE_TIMES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kernel": "sm100_decode", "case": list(case[:7]), "seconds": round(dt, 2)}) + "\n")
+    n_qk = ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\." + kind)
+    assert n_qk >= qt * (D // 64), f"block-scaled QK MMA missing ({n_qk})"
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::f16") > 0  # P.V
+    assert ptx_count(ptx, r"tcgen05\.alloc") > 0 and ptx_count(ptx, r"tcgen05\.dealloc") > 0
+    assert ptx_count(ptx, r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4") > 0  # scale factors SMEM -> TMEM
+    assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0  # TMA
+    assert ptx_count(ptx, r"tcgen05\.commit") > 0 and ptx_count(ptx, r"mbarrier") > 0
+    assert ptx_count(ptx, r"tcgen05\.ld\.sync") > 0 and ptx_count(ptx, r"tcgen05\.st\.sync") > 0
+
+
+def test_config_rejects():
+    with pytest.raises(ValueError, match="FP4 keys"):
+        DecodeConfigSm100(kv_format("fp8"), kv_format("nvfp4"), 128, "bf16", 8, 16, True, False)
+    with pytest.raises(ValueError, match="scale-factor atom"):
+        DecodeConfigSm100(kv_format("mxfp4"), kv_format("mxfp4"), 64, "bf16", 8, 16, True, False)
+    with pytest.raises(ValueError, match="page_size"):
+        DecodeConfigSm100(kv_format("nvfp4"), kv_format("nvfp4"), 128, "bf16", 8, 8, True, False)
