@@ -20,7 +20,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from qattn.cute_kernels.common import fp4
-from qattn.cute_kernels.kv_insert import _Side, _resolve, f32x2_to_16x2
+from qattn.cute_kernels.kv_insert import _Side, _resolve, f32x2_to_16x2, scale_rows_tensor
 from qattn.interface.variants import Variant, cache_for, register
 
 __all__ = ["KVFlatten", "flatten_kv", "make_flatten_compile_args"]
@@ -69,10 +69,7 @@ class KVFlatten:
                                                       stride=(1, side.vec, side.words, side.row_words)))
 
     def _scale_tensor(self, side, ptr, rows):
-        if side.block:
-            return cute.make_tensor(ptr, cute.make_layout((side.scales_per_thread, self.threads_per_row, rows),
-                                                          stride=(1, side.scales_per_thread, side.scales_per_row)))
-        return cute.make_tensor(ptr, cute.make_layout((rows,)))
+        return scale_rows_tensor(side, ptr, rows, self.threads_per_row)
 
     def _out_tensor(self, ptr, rows):
         return cute.make_tensor(ptr, cute.make_layout((4, self.out_chunks, self.threads_per_row, rows),

@@ -239,10 +239,7 @@ class KVInsert:
                                                       stride=(1, side.vec, side.words, side.row_words)))
 
     def _scale_tensor(self, side: _Side, ptr, rows):
-        if side.block:
-            return cute.make_tensor(ptr, cute.make_layout((side.scales_per_thread, self.threads_per_row, rows),
-                                                          stride=(1, side.scales_per_thread, side.scales_per_row)))
-        return cute.make_tensor(ptr, cute.make_layout((rows,)))
+        return scale_rows_tensor(side, ptr, rows, self.threads_per_row)
 
     def _vec16_tensor(self, ptr, rows):
         # 16-bit rows (inputs, rings): (4 words, chunk, thread-in-row, row)
@@ -564,6 +561,15 @@ class KVInsert:
 # ==================================================================================================
 # compile and launch
 # ==================================================================================================
+def scale_rows_tensor(side: _Side, ptr, rows, threads_per_row: int):
+    """The scale pool of one side as seen by a row kernel (insert, flatten): block scales as (scales of a thread,
+    thread in the row, row); one fp32 per-token scale (fp8 / int8) as (row,)."""
+    if side.block:
+        return cute.make_tensor(ptr, cute.make_layout((side.scales_per_thread, threads_per_row, rows),
+                                                      stride=(1, side.scales_per_thread, side.scales_per_row)))
+    return cute.make_tensor(ptr, cute.make_layout((rows,)))
+
+
 def _scale_ptr_type(fmt: KVFormat):
     if fmt.scale_block:
         return Uint8, 4
