@@ -114,7 +114,7 @@ def _combine_variants(arch: str, head_dims=None, q_dtypes=None, **_):
     from qattn.cute_kernels.compile_utils import compile_for_arch
     from qattn.cute_kernels.sm90.decode_config import HEAD_DIMS
 
-    if arch != "sm_90a":  # only the SM90 decode launcher uses it
+    if arch not in ("sm_90a", "sm_100a"):  # the SM90 and SM100 decode launchers use it
         return []
     out = []
     for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:

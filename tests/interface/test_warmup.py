@@ -74,9 +74,10 @@ def test_decode_and_combine_listed(capsys):
     # defaults: 6 formats x 2 head_dims x gqa {1,4,8} x pages {16,64,128} x split on/off; combine: 2 head_dims
     assert "decode" in out and "combine" in out and f"{6 * 2 * 3 * 3 * 2 + 2} variants" in out
     assert "nvfp4 D128 gqa8 page16 sq1 split" in out and "D128 out bf16" in out
-    # the decode kernel is SM90 only: nothing to warm for sm_100a
+    # sm_100a: the SM100 decode kernel's FP4 variants (tests/sm100/test_warmup_sm100.py) and the combine
     assert warmup.main(["--arch", "sm_100a", "--dry-run", "--kernels", "decode,combine"]) == 0
-    assert "0 variants" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(sm100, never ran)" in out and "D128 out bf16" in out and " fp8 " not in out
 
 
 def test_decode_dry_run_filters(capsys):

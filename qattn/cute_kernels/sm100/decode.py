@@ -673,3 +673,46 @@ def decode_sm100_compile_args() -> list:
 
 def decode_sm100_cache_key(arch: str, cfg: DecodeConfigSm100) -> tuple:
     return (arch,) + cfg.key
+
+
+def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
+                          recent_windows=None, q_dtypes=None) -> list:
+    """``qattn-warmup`` variants of the SM100 decode kernel, built through the launcher's own config choice
+    (``qattn.interface.decode_sm100.sm100_config_for``'s rules): FP4 K and V formats only, causal, with and without
+    split-KV. Combinations the kernel rejects (ring windows, > 128 rows, non-FP4 formats, mxfp4 at head_dim 64)
+    are skipped. Never ran on hardware: these variants are compiled for images, not tested."""
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+    from qattn.cute_kernels.sm100.decode_config import HEAD_DIMS, PAGE_SIZES, ROWS
+    from qattn.interface.variants import Variant
+    from qattn.layouts.formats import FORMAT_NAMES, kv_format
+
+    out, seen = [], set()
+    if any(w for w in (recent_windows or [0])):
+        return out
+    for name in kv_formats or FORMAT_NAMES:
+        parts = name.split("+")
+        if len(parts) > 2 or any(p not in FORMAT_NAMES for p in parts):
+            continue
+        k_fmt, v_fmt = kv_format(parts[0]), kv_format(parts[-1])
+        for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:
+            for g in gqa or [1, 4, 8]:
+                for page in [p for p in (page_sizes or [16, 64, 128]) if p in PAGE_SIZES]:
+                    for sq in seqlen_q or [1]:
+                        if sq * g > ROWS:
+                            continue
+                        for qd in q_dtypes or ["bf16"]:
+                            for split in (False, True):
+                                try:
+                                    cfg = DecodeConfigSm100(k_fmt, v_fmt, d, qd, g, page, True, split)
+                                except ValueError:  # a format / head_dim the SM100 kernel does not take
+                                    continue
+                                key = decode_sm100_cache_key(arch, cfg)
+                                if key in seen:
+                                    continue
+                                seen.add(key)
+                                build = (lambda cfg=cfg: compile_for_arch(
+                                    DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
+                                label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + ("" if qd == "bf16" else f" {qd}")
+                                         + (" split" if split else "") + " (sm100, never ran)")
+                                out.append(Variant("decode", key, label, build))
+    return out

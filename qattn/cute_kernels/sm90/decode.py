@@ -746,7 +746,12 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
     with and without split-KV (the ring, when there is one, in the q dtype)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
-    if arch != "sm_90a":  # the decode kernel is SM90 only
+    if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
+        from qattn.cute_kernels.sm100.decode import sm100_decode_variants
+
+        return sm100_decode_variants(arch, kv_formats, head_dims, gqa, page_sizes, seqlen_q, recent_windows,
+                                     q_dtypes)
+    if arch != "sm_90a":
         return []
     out, seen = [], set()
     for name in kv_formats or FORMAT_NAMES:
