@@ -53,6 +53,49 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _check_heads(D: int, Hq: int, Hkv: int, kname: str) -> None:
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{kname}: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+
+
+def _scale_groups(granularity: str, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(q scale groups, k scale blocks) the prepass makes for these (max) lengths."""
+    if granularity not in ("per_warp", "per_block"):
+        raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
+    n_qb = -(-seqlen_q // BLOCK_Q)
+    return (n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb), -(-seqlen_k // BLOCK_K)
+
+
+def _softmax_scale(softmax_scale, D: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    return softmax_scale
+
+
+def _out(out, dtype, shape, dev) -> torch.Tensor:
+    """The caller's ``out`` (checked) or a new output tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    _check(out, "out", dtype, shape, dev)
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
+    return out
+
+
+def _check_qkv_16bit(q, k, v) -> None:
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
             softmax_scale: float, v_scale=None) -> None:
@@ -125,10 +168,7 @@ def prefill_int8(
         if v_scale is not None:
             raise ValueError("v_scale: only used with pv_dtype='fp8'")
         out_dtype = v.dtype
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k_int8: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (B, Sk, Hkv, D), dev)
     if fp8:
         sk_pad = -(-Sk // BLOCK_K) * BLOCK_K
@@ -140,27 +180,15 @@ def prefill_int8(
         _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
     if Sq < 1 or Sk < 1:
         raise ValueError(f"q_int8: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
-    if granularity not in ("per_warp", "per_block"):
-        raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
-    n_qb = -(-Sq // BLOCK_Q)
-    n_qg = n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb
-    n_kb = -(-Sk // BLOCK_K)
+    n_qg, n_kb = _scale_groups(granularity, Sq, Sk)
     _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
     _check(k_scale, "k_scale", torch.float32, (B, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing; split the batch")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    softmax_scale = _softmax_scale(softmax_scale, D)
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
-    if out is not None:
-        _check(out, "out", out_dtype, (B, Sq, Hq, D), dev)
-        if not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
-    else:
-        out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=dev)
+    out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
     _check_arch(dev)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
                         pv_dtype=pv_dtype, **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides (A/B)
@@ -210,10 +238,7 @@ def prefill_int8_varlen(
         raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
     if v.dtype not in _DTYPES:
         raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k_int8: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (Tk, Hkv, D), dev)
     _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
@@ -227,27 +252,15 @@ def prefill_int8_varlen(
     for m, name, total in ((max_seqlen_q, "max_seqlen_q", Tq), (max_seqlen_k, "max_seqlen_k", Tk)):
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= max(total, 1):
             raise ValueError(f"{name}: expected an int in [1, {total}], got {m!r}")
-    if granularity not in ("per_warp", "per_block"):
-        raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
-    n_qb = -(-max_seqlen_q // BLOCK_Q)
-    n_qg = n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb
-    n_kb = -(-max_seqlen_k // BLOCK_K)
+    n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
     _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
     _check(k_scale, "k_scale", torch.float32, (num_seqs, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    softmax_scale = _softmax_scale(softmax_scale, D)
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
-    if out is not None:
-        _check(out, "out", v.dtype, (Tq, Hq, D), dev)
-        if not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError("out: expected a contiguous, 16-byte aligned tensor")
-    else:
-        out = torch.empty((Tq, Hq, D), dtype=v.dtype, device=dev)
+    out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_arch(dev)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
                         varlen=True, **(_tuning or {}))
@@ -266,10 +279,9 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
         raise ValueError(f"q, k, v: expected {'packed (total, heads, head_dim)' if varlen else '(batch, seqlen, heads, head_dim)'}"
                          f" tensors with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     D, Hq, Hkv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if D not in HEAD_DIMS or k.shape[-1] != D:
-        raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    if k.shape[-1] != D:
+        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's {D}")
+    _check_heads(D, Hq, Hkv, "k")
     if not q.is_cuda or k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
     if max(q.numel(), k.numel()) >= 2**31:
@@ -322,15 +334,8 @@ def flash_attn_func(
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
     if qk_quant is None and pv_dtype != "bf16":
         raise ValueError("pv_dtype: qk_quant=None (the unquantized A/B path) runs P x V in V's dtype only")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    _check_qkv_16bit(q, k, v)
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         from .torch_ops import prefill_op
 
@@ -393,15 +398,8 @@ def flash_attn_varlen_func(
         raise ValueError("pv_dtype: 'fp8' is not implemented for varlen prefill yet (dense flash_attn_func only)")
     if pv_dtype != "bf16":
         raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented for varlen, got {pv_dtype!r}")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    _check_qkv_16bit(q, k, v)
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if torch.compiler.is_compiling():
         from .torch_ops import prefill_varlen_op
 
