@@ -238,5 +238,30 @@ def test_harness_equals_token_by_token_decode(spec):
         torch.testing.assert_close(got[:, i].double(), o[0, 0], rtol=2e-5, atol=2e-5)
 
 
+def test_harness_spec_with_sink_and_unquantized_dtype():
+    from qattn.eval.attention import KVQuantConfig, quantized_attention, LayerQuant
+    from qattn.eval.runner import grid_configs
+
+    c = KVQuantConfig.parse("nvfp4+r@64^1~bf16")
+    assert (c.window, c.sink, c.rotate, c.unquantized_dtype) == (64, 1, True, "bf16")
+    assert c.name == "nvfp4+r@64^1~bf16" and KVQuantConfig.parse(c.name) == c
+    assert KVQuantConfig.parse("int8/nvfp4^2").name == "int8/nvfp4^2"
+    with pytest.raises(ValueError):
+        KVQuantConfig.parse("nvfp4~f16")
+    assert "nvfp4+r@64^1" in [g.name for g in grid_configs("sink")]
+    # ~bf16 rounds exactly the unquantized rows
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 20, 64, generator=g) for _ in range(3))
+    lq = LayerQuant(KVQuantConfig.parse("int8@4^1~bf16"))
+    ref = LayerQuant(KVQuantConfig.parse("int8@4^1"))
+    got = quantized_attention(q, k, v, lq, 0.125)
+    kb, vb = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    assert not torch.equal(got, quantized_attention(q, k, v, ref, 0.125))
+    from qattn.eval.attention import _fq, windowed_attention
+    want = windowed_attention(q, _fq(k, lq.config.k_format, None), _fq(v, lq.config.v_format, None), kb, vb, 4,
+                              0.125, sink=1)
+    assert torch.equal(got, want)
+
+
 def test_sink_geometry_is_exported():
     assert SinkGeometry(2, 3, 4, 64, torch.float16).shape == (2, 3, 4, 64)

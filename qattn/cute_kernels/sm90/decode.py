@@ -759,11 +759,15 @@ class DecodeSm90:
         for c in range(nchunks):
             P = S[c]
             if cutlass.const_expr(vf.scale == "row"):
-                # per-token V scale multiplies P (the reduction runs over tokens); sanitized past the end
+                # per-token V scale multiplies P (the reduction runs over tokens); sanitized outside the tile's
+                # positions (past the end, and below pos_lo: 0 * NaN would be NaN)
                 for nt in range(2):
                     for e in range(4):
                         tok_e = t_base + 16 * c + 8 * nt + 2 * q4 + (e % 2)
-                        vs = _sel(pos0 + tok_e < kv_len, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                        vs_ok = pos0 + tok_e < kv_len
+                        if cutlass.const_expr(pos_lo is not None):
+                            vs_ok = vs_ok & (pos0 + tok_e >= pos_lo)
+                        vs = _sel(vs_ok, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
                         P[nt][e] = P[nt][e] * vs
             a = [pack_f32x2(P[0][0], P[0][1], vf.bf16), pack_f32x2(P[0][2], P[0][3], vf.bf16),
                  pack_f32x2(P[1][0], P[1][1], vf.bf16), pack_f32x2(P[1][2], P[1][3], vf.bf16)]
