@@ -4,7 +4,9 @@ One kernel, :class:`KVInsert`, writes ``k`` and ``v`` (num_tokens, num_kv_heads,
 layer's pools at ``slot_mapping`` (int64, ``block * page_size + offset``, -1 = skip), quantized to the cache's K
 format and V format (independent compile-time parameters: nvfp4, mxfp4 / mxfp4_b16 floor|rceil, fp8, int8,
 bf16) and, for caches with a recent window, also writes the unquantized row to
-``ring[seq_slot, head, position % W]``. The bytes equal ``qattn.reference.write_kv_reference`` bit for bit.
+``ring[seq_slot, head, position % W]``, and for caches with ``sink_tokens = N`` (compile time) the rows of
+positions ``< N`` to ``sink[seq_slot, head, position]``. The bytes equal ``qattn.reference.write_kv_reference``
+bit for bit.
 
 Work split: one *row* is one (token, kv_head); ``G = head_dim / E`` consecutive threads share a row, each
 holding ``E`` = 32 values (16 when head_dim is not a multiple of 32): 16-byte loads of the input, 16-byte
@@ -188,7 +190,7 @@ class KVInsert:
 
     def __init__(self, k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
                  ring_bf16: bool = True, *, rope_style: Optional[str] = None, rotary_dim: int = 0,
-                 smooth: bool = False, rotate: bool = False):
+                 smooth: bool = False, rotate: bool = False, sink_tokens: int = 0):
         kf, vf = _resolve(k_fmt), _resolve(v_fmt)
         kf.check_head_dim(head_dim)
         vf.check_head_dim(head_dim)
@@ -205,7 +207,10 @@ class KVInsert:
         self.threads = self.rows_per_cta * self.threads_per_row
         self.in_bf16 = bool(in_bf16)
         self.ring = bool(ring)
-        self.ring_bf16 = bool(ring_bf16)
+        self.ring_bf16 = bool(ring_bf16)  # the dtype of the unquantized rows: ring and sink (the cache's dtype)
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens!r}")
+        self.sink_tokens = sink_tokens  # compile time: the position test is one compare with a constant
         self.k = _Side(kf, head_dim, self.elems)
         self.v = _Side(vf, head_dim, self.elems)
         self.in_chunks = self.elems // 8  # 16-byte input vectors per thread
@@ -227,7 +232,7 @@ class KVInsert:
     @property
     def key(self) -> tuple:
         return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16,
-                self.rope_style, self.rotary_dim, self.smooth, self.rotate)
+                self.rope_style, self.rotary_dim, self.smooth, self.rotate, self.sink_tokens)
 
     def _transforms(self, is_key: bool) -> bool:
         """Whether the row of this side is changed before it is stored (then stores convert from fp32)."""
@@ -262,6 +267,8 @@ class KVInsert:
         v_gscale: cute.Pointer,
         k_ring: cute.Pointer,  # Uint32 view of (max_seqs, H, W, D) 16-bit ring (ring caches; any otherwise)
         v_ring: cute.Pointer,
+        k_sink: cute.Pointer,  # Uint32 view of (max_seqs, H, N, D) 16-bit sink rows (sink caches; any otherwise)
+        v_sink: cute.Pointer,
         cos_sin: cute.Pointer,  # Float32 (max_position, rotary_dim) RoPE table (RoPE; any otherwise)
         k_mean: cute.Pointer,  # Float32 (H, D), 16-byte aligned (smoothing; any otherwise)
         rot_signs: cute.Pointer,  # Float32 (D,) +-1, 16-byte aligned (rotation; any otherwise)
@@ -271,6 +278,7 @@ class KVInsert:
         window: Int32,
         pool_rows: Int32,  # num_blocks * H * page_size
         ring_rows: Int32,  # max_seqs * H * window
+        sink_rows: Int32,  # max_seqs * H * sink_tokens
         max_position: Int32,  # rows of the RoPE table (1 without RoPE)
         stream: cuda.CUstream,
     ):
@@ -288,22 +296,25 @@ class KVInsert:
         mVg = cute.make_tensor(v_gscale, cute.make_layout((num_heads,)))
         mKr = self._vec16_tensor(k_ring, ring_rows)
         mVr = self._vec16_tensor(v_ring, ring_rows)
+        mKsk = self._vec16_tensor(k_sink, sink_rows)
+        mVsk = self._vec16_tensor(v_sink, sink_rows)
         rd = max(self.rotary_dim, 2)
         mCS = cute.make_tensor(cos_sin, cute.make_layout((max_position, rd), stride=(rd, 1)))
         mMean = cute.make_tensor(k_mean, cute.make_layout((self.elems, self.threads_per_row, num_heads),
                                                           stride=(1, self.elems, self.head_dim)))
         mSigns = cute.make_tensor(rot_signs, cute.make_layout((self.elems, self.threads_per_row)))
         grid_x = (rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr, mCS, mMean, mSigns,
-                    num_tokens, num_heads, page_size, window, max_position).launch(
+        self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr, mKsk, mVsk, mCS, mMean,
+                    mSigns, num_tokens, num_heads, page_size, window, sink_rows, max_position).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mKin: cute.Tensor, mVin: cute.Tensor, mSlot: cute.Tensor, mSeq: cute.Tensor,
                mPos: cute.Tensor, mKd: cute.Tensor, mKs: cute.Tensor, mKg: cute.Tensor, mVd: cute.Tensor,
-               mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, mCS: cute.Tensor,
+               mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, mKsk: cute.Tensor,
+               mVsk: cute.Tensor, mCS: cute.Tensor,
                mMean: cute.Tensor, mSigns: cute.Tensor, num_tokens: Int32, num_heads: Int32, page_size: Int32,
-               window: Int32, max_position: Int32):
+               window: Int32, sink_rows: Int32, max_position: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         row = bidx * self.rows_per_cta + tidx // self.threads_per_row
@@ -342,6 +353,28 @@ class KVInsert:
                                 ring_ok = False
                 ring_row = (Int32(seq) * num_heads + head) * window + Int32(pos % Int64(window))
 
+        # Sink caches: positions < N also go to sink[seq, head, pos]. Each entry is written by the one token at
+        # that (sequence, position), so unlike the ring there is nothing to arbitrate. A negative position or an
+        # out-of-range seq_slot (unchecked without write_kv(check=True)) writes no sink row: never out of bounds.
+        sink_ok = valid
+        sink_row = Int32(0)
+        if cutlass.const_expr(self.sink_tokens > 0):
+            spos = Int64(-1)
+            sseq = Int64(0)
+            if valid:
+                spos = mPos[token]
+                sseq = mSeq[token]
+            if spos < Int64(0):
+                sink_ok = False
+            if spos >= Int64(self.sink_tokens):
+                sink_ok = False
+            if sseq < Int64(0):
+                sink_ok = False
+            row64 = (sseq * Int64(num_heads) + Int64(head)) * Int64(self.sink_tokens) + spos
+            if row64 >= Int64(sink_rows):
+                sink_ok = False
+            sink_row = Int32(row64)
+
         # The RoPE table row of the token, clamped into the table: only kept tokens' rows matter, and a bad
         # position gives wrong numbers, never an out-of-bounds read (write_kv(check=True) rejects it).
         rope_row = Int32(0)
@@ -353,16 +386,17 @@ class KVInsert:
                     if p < Int64(max_position):
                         rope_row = Int32(p)
 
-        self._side(self.k, True, rKin, mKd, mKs, mKg, mKr, mCS, mMean, mSigns, rope_row, head, part, pool_row,
-                   valid, ring_ok, ring_row)
-        self._side(self.v, False, rVin, mVd, mVs, mVg, mVr, mCS, mMean, mSigns, rope_row, head, part, pool_row,
-                   valid, ring_ok, ring_row)
+        self._side(self.k, True, rKin, mKd, mKs, mKg, mKr, mKsk, mCS, mMean, mSigns, rope_row, head, part,
+                   pool_row, valid, ring_ok, ring_row, sink_ok, sink_row)
+        self._side(self.v, False, rVin, mVd, mVs, mVg, mVr, mVsk, mCS, mMean, mSigns, rope_row, head, part,
+                   pool_row, valid, ring_ok, ring_row, sink_ok, sink_row)
 
     @cute.jit
     def _side(self, side: cutlass.Constexpr, is_key: cutlass.Constexpr, rIn: cute.Tensor, mD: cute.Tensor,
-              mS: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor, mCS: cute.Tensor, mMean: cute.Tensor,
-              mSigns: cute.Tensor, rope_row: Int32, head: Int32, part: Int32, pool_row: Int32,
-              valid: cutlass.Boolean, ring_ok: cutlass.Boolean, ring_row: Int32):
+              mS: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor, mSk: cute.Tensor, mCS: cute.Tensor,
+              mMean: cute.Tensor, mSigns: cute.Tensor, rope_row: Int32, head: Int32, part: Int32, pool_row: Int32,
+              valid: cutlass.Boolean, ring_ok: cutlass.Boolean, ring_row: Int32, sink_ok: cutlass.Boolean,
+              sink_row: Int32):
         E = self.elems
         vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
         rX = cute.make_rmem_tensor((E,), Float32)
@@ -383,17 +417,22 @@ class KVInsert:
         if cutlass.const_expr(self.rotate):
             self._rotate(rX, mSigns, part)
 
-        # --- the unquantized (transformed) row into the ring --------------------------------------
-        if cutlass.const_expr(self.ring):
-            if ring_ok:
-                rR = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
-                for w in cutlass.range_constexpr(E // 2):
-                    if cutlass.const_expr(self.ring_bf16 == self.in_bf16 and not transformed):
-                        rR[w % 4, w // 4] = rIn[w % 4, w // 4]
-                    else:
-                        rR[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], self.ring_bf16)
-                for cr in cutlass.range_constexpr(self.in_chunks):
-                    cute.copy(vec128, rR[None, cr], mR[None, cr, part, ring_row])
+        # --- the unquantized (transformed) row into the ring and / or the sink --------------------
+        if cutlass.const_expr(self.ring or self.sink_tokens > 0):
+            rR = cute.make_rmem_tensor((4, self.in_chunks), Uint32)
+            for w in cutlass.range_constexpr(E // 2):
+                if cutlass.const_expr(self.ring_bf16 == self.in_bf16 and not transformed):
+                    rR[w % 4, w // 4] = rIn[w % 4, w // 4]
+                else:
+                    rR[w % 4, w // 4] = f32x2_to_16x2(rX[2 * w], rX[2 * w + 1], self.ring_bf16)
+            if cutlass.const_expr(self.ring):
+                if ring_ok:
+                    for cr in cutlass.range_constexpr(self.in_chunks):
+                        cute.copy(vec128, rR[None, cr], mR[None, cr, part, ring_row])
+            if cutlass.const_expr(self.sink_tokens > 0):
+                if sink_ok:
+                    for cr in cutlass.range_constexpr(self.in_chunks):
+                        cute.copy(vec128, rR[None, cr], mSk[None, cr, part, sink_row])
 
         # --- quantize ------------------------------------------------------------------------------
         rP = cute.make_rmem_tensor((side.vec, side.words // side.vec), Uint32)
@@ -579,7 +618,7 @@ def _scale_ptr_type(fmt: KVFormat):
 def make_insert_compile_args(k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
                              ring_bf16: bool = True, **transforms):
     """(kernel object, args) to compile :class:`KVInsert` without a GPU (fake pointers, fake stream).
-    ``transforms``: ``rope_style``, ``rotary_dim``, ``smooth``, ``rotate`` as in :class:`KVInsert`."""
+    ``transforms``: ``rope_style``, ``rotary_dim``, ``smooth``, ``rotate``, ``sink_tokens`` as in :class:`KVInsert`."""
     cfg = KVInsert(k_fmt, v_fmt, head_dim, in_bf16, ring, ring_bf16, **transforms)
     return cfg, _fake_args(cfg)
 
@@ -591,8 +630,8 @@ def _fake_args(cfg: KVInsert):
     ks, vs = _scale_ptr_type(cfg.k.fmt), _scale_ptr_type(cfg.v.fmt)
     return (p(Uint32, 16), p(Uint32, 16), p(Int64, 8), p(Int64, 8), p(Int64, 8),
             p(Uint32, 16), p(*ks), p(Float32, 4), p(Uint32, 16), p(*vs), p(Float32, 4),
-            p(Uint32, 16), p(Uint32, 16), p(Float32, 4), p(Float32, 16), p(Float32, 16)) + tuple(
-                Int32(1) for _ in range(7)) + (cute.runtime.make_fake_stream(),)
+            p(Uint32, 16), p(Uint32, 16), p(Uint32, 16), p(Uint32, 16), p(Float32, 4), p(Float32, 16),
+            p(Float32, 16)) + tuple(Int32(1) for _ in range(8)) + (cute.runtime.make_fake_stream(),)
 
 
 def _compiled(cfg: KVInsert, arch: str):
@@ -605,7 +644,8 @@ def _compiled(cfg: KVInsert, arch: str):
 
 
 def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, lay, num_blocks: int,
-                  page_size: int, window: int, max_seqs: int, cos_sin=None, k_mean=None, rot_signs=None) -> None:
+                  page_size: int, window: int, max_seqs: int, cos_sin=None, k_mean=None, rot_signs=None,
+                  sink_tokens: int = 0) -> None:
     """Launch on torch's current stream. Tensors must already be validated (kv_cache_ops.write_kv).
     ``cos_sin`` (max_position, rotary_dim) fp32, ``k_mean`` (H, D) fp32 and ``rot_signs`` (D,) fp32 (16-byte
     aligned, contiguous) are needed exactly when ``cfg`` has RoPE, smoothing, rotation."""
@@ -620,15 +660,18 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
     gv = lay.v_global_scale if lay.v_global_scale is not None else any16
     kr = lay.k_ring if lay.k_ring is not None else any16
     vr = lay.v_ring if lay.v_ring is not None else any16
+    ksk = lay.k_sink if lay.k_sink is not None else any16
+    vsk = lay.v_sink if lay.v_sink is not None else any16
     seqs = seq_slots if seq_slots is not None else slots
     pos = positions if positions is not None else slots
     # raw addresses; each pointer's dtype and alignment are compile-time facts of the kernel (see _fake_args)
     ptrs = tuple((t if t is not None else any16).data_ptr() for t in (
         k, v, slots, seqs, pos, lay.k_data, lay.k_scale_pool, gk, lay.v_data, lay.v_scale_pool, gv, kr, vr,
-        cos_sin, k_mean, rot_signs))
+        ksk, vsk, cos_sin, k_mean, rot_signs))
     max_position = int(cos_sin.shape[0]) if cos_sin is not None else 1
     fast(_compiled(cfg, arch))(*ptrs, T_, H, page_size, max(window, 1), num_blocks * H * page_size,
-                               max_seqs * H * max(window, 1), max_position, torch.cuda.current_stream().cuda_stream)
+                               max_seqs * H * max(window, 1), max_seqs * H * max(sink_tokens, 1), max_position,
+                               torch.cuda.current_stream().cuda_stream)
 
 
 # ==================================================================================================

@@ -13,9 +13,11 @@ import torch
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qattn.eval", description=__doc__)
-    p.add_argument("--grid", default="full", help="named grid: full (default, docs/accuracy.md) | quick | extra | cross (ignored when --config is given)")
+    p.add_argument("--grid", default="full", help="named grid: full (default, docs/accuracy.md) | quick | extra | sink | cross (ignored when --config is "
+                        "given)")
     p.add_argument("--config", action="append", default=[],
-                   help="config spec K[/V][+s][+r][@W], e.g. 'int8/nvfp4+s+r@64', 'mxfp4:rceil+r'; repeatable. "
+                   help="config spec K[/V][+s][+r][@W][^N][~bf16], e.g. 'int8/nvfp4+s+r@64', 'mxfp4:rceil+r', "
+                        "'nvfp4+r@64^1'; repeatable. "
                         "'none' and 'bf16' are always run first")
     p.add_argument("--tokens", type=int, default=2048, help="evaluate the first N tokens of the text (0 = all)")
     p.add_argument("--calib-tokens", type=int, default=512,

@@ -11,6 +11,13 @@ One softmax over the union is the same as the cache's single softmax over its co
 The transforms (``qattn.quant.transforms``) are applied in the order the insert kernels will apply them:
 post-RoPE ``k`` -> ``k - mean`` (smoothing) -> ``rotate`` -> quantize; ``v`` -> ``rotate`` -> quantize;
 ``q`` -> ``rotate``; output -> ``unrotate``. Window tokens go through the same transforms, only not quantized.
+
+Attention sink (``^N``): the first N tokens of the sequence are read unquantized as well. This is exactly the
+cache feature ``PagedKVCache(..., sink_tokens=N)``: query ``i`` reads a cache of ``i + 1`` tokens, whose sources
+are ``qattn.layouts.paged.read_sources(i + 1, W, N)`` (positions < N from the sink buffer, positions
+``>= max(N, i + 1 - W)`` from the ring, the rest from the pages); ``tests/reference/test_sink.py`` checks that
+the harness equals token-by-token decoding from such a cache. Unquantized rows are kept in fp32 by default; the
+spec suffix ``~bf16`` rounds them to bf16, as the cache's ring and sink buffers hold them (``dtype``).
 """
 
 from __future__ import annotations
@@ -78,7 +85,10 @@ class KVQuantConfig:
     ``smooth``: subtract the calibrated per-(layer, kv_head) key channel mean before quantizing K.
     ``rotate``: randomized Hadamard rotation (seed ``seed``) of q, k, v, output rotated back.
     ``window``: the newest ``window`` tokens of each query's context stay unquantized.
-    ``sink``: the first ``sink`` tokens of the sequence stay unquantized (experiment; spec suffix ``^N``).
+    ``sink``: the first ``sink`` tokens of the sequence stay unquantized (``PagedKVCache(sink_tokens=N)``; spec
+    suffix ``^N``).
+    ``unquantized_dtype``: ``"fp32"`` (default) or ``"bf16"`` (spec suffix ``~bf16``): the dtype of the window and
+    sink rows; bf16 is what the cache's ring and sink buffers hold.
     """
 
     k: str | None = None
@@ -88,11 +98,14 @@ class KVQuantConfig:
     window: int = 0
     seed: int = 0
     sink: int = 0
+    unquantized_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         parse_format(self.k), parse_format(self.v)
         if self.window < 0 or self.sink < 0:
             raise ValueError("window must be >= 0")
+        if self.unquantized_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"unquantized_dtype: expected 'fp32' or 'bf16', got {self.unquantized_dtype!r}")
 
     @property
     def k_format(self) -> KVFormat | None:
@@ -113,7 +126,7 @@ class KVQuantConfig:
 
     @property
     def name(self) -> str:
-        """The spec string :meth:`parse` takes back: ``K[/V][+s][+r][@W][^N]``."""
+        """The spec string :meth:`parse` takes back: ``K[/V][+s][+r][@W][^N][~bf16]``."""
         ks, vs = _format_spec(self.k_format), _format_spec(self.v_format)
         s = ks if ks == vs else f"{ks}/{vs}"
         if self.smooth:
@@ -124,14 +137,17 @@ class KVQuantConfig:
             s += f"@{self.window}"
         if self.sink:
             s += f"^{self.sink}"
+        if self.unquantized_dtype != "fp32":
+            s += f"~{self.unquantized_dtype}"
         return s
 
     @classmethod
     def parse(cls, spec: str, seed: int = 0) -> "KVQuantConfig":
-        """``"nvfp4"``, ``"int8/nvfp4+s+r@64"``, ``"mxfp4:rceil+r"``, ``"mxfp4_b16@32"``, ``"nvfp4^4"``, ``"none"``."""
-        m = re.match(r"^([^+@^]+)((?:\+[sr])*)(?:@(\d+))?(?:\^(\d+))?$", spec.strip())
+        """``"nvfp4"``, ``"int8/nvfp4+s+r@64"``, ``"mxfp4:rceil+r"``, ``"mxfp4_b16@32"``, ``"nvfp4^4"``,
+        ``"nvfp4+r@64^1~bf16"``, ``"none"``."""
+        m = re.match(r"^([^+@^~]+)((?:\+[sr])*)(?:@(\d+))?(?:\^(\d+))?(?:~(bf16|fp32))?$", spec.strip())
         if not m:
-            raise ValueError(f"bad config spec {spec!r}; expected K[/V][+s][+r][@W]")
+            raise ValueError(f"bad config spec {spec!r}; expected K[/V][+s][+r][@W][^N][~bf16]")
         fmts = m.group(1).split("/")
         if len(fmts) > 2:
             raise ValueError(f"bad config spec {spec!r}")
@@ -140,7 +156,7 @@ class KVQuantConfig:
         flags = m.group(2)
         return cls(k=None if k == "none" else k, v=None if v == "none" else v, smooth="+s" in flags,
                    rotate="+r" in flags, window=int(m.group(3) or 0), seed=seed,
-                   sink=int(m.group(4) or 0))
+                   sink=int(m.group(4) or 0), unquantized_dtype=m.group(5) or "fp32")
 
 
 @dataclass
@@ -188,7 +204,7 @@ def windowed_attention(q: torch.Tensor, k_quant: torch.Tensor, v_quant: torch.Te
                        sink: int = 0) -> torch.Tensor:
     """Causal GQA attention where query ``i`` reads keys/values ``j <= i - window`` from ``k_quant``/``v_quant``
     and ``i - window < j <= i`` from ``k_full``/``v_full``. q (Hq, S, D), the rest (Hkv, S, D).
-    ``sink > 0`` also keeps the first ``sink`` tokens unquantized (an experiment, not a qattn cache feature).
+    ``sink > 0`` also keeps the first ``sink`` tokens unquantized (the cache's sink buffer).
 
     ``window == 0`` (and no sink): everything quantized (plain causal attention on the quantized rows);
     ``window >= S``: nothing quantized. Otherwise, per block of ``block`` queries ``[a, b)``, one SDPA over the
@@ -248,6 +264,8 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lq: L
         q, k, v = (rotate(t, cfg.seed).to(t.dtype) for t in (q, k, v))
     kq = _fq(k, kf, lq.k_global)
     vq = _fq(v, vf, lq.v_global)
+    if cfg.unquantized_dtype == "bf16":  # the window / sink rows as the cache's ring and sink hold them
+        k, v = k.to(torch.bfloat16).to(q.dtype), v.to(torch.bfloat16).to(q.dtype)
     out = windowed_attention(q, kq, vq, k, v, cfg.window, scale, sink=cfg.sink)
     if cfg.rotate:
         out = unrotate(out, cfg.seed).to(q.dtype)

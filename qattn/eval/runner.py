@@ -196,11 +196,20 @@ def _grid_extra() -> list[str]:
             "int8/nvfp4@32", "int8/nvfp4+r@64", "fp8/nvfp4+r@64"]
 
 
+def _grid_sink() -> list[str]:
+    """The attention-sink cache (``PagedKVCache(sink_tokens=N)``): the shipped 4-bit configurations with one sink
+    token, their windows without the sink, and the recommended ones with bf16 window / sink rows (``~bf16``: what
+    the cache holds)."""
+    return ["none", "bf16", "nvfp4+r@64^1", "nvfp4+r@128^1", "nvfp4@64^1", "nvfp4@128^1", "nvfp4+r@32^1",
+            "nvfp4+r@64^4", "mxfp4:floor+r@64^1", "mxfp4:rceil+r@64^1", "int8/nvfp4+r@64^1", "nvfp4+r@64",
+            "nvfp4@128", "nvfp4+r@64^1~bf16", "nvfp4+r@128^1~bf16", "mxfp4:rceil+r@64^1~bf16"]
+
+
 def _grid_quick() -> list[str]:
     return ["none", "bf16", "int8", "nvfp4", "nvfp4+s+r", "mxfp4:floor+s+r", "nvfp4@64", "int8/nvfp4+s+r"]
 
 
-GRIDS = {"full": _grid_full, "quick": _grid_quick, "cross": _grid_cross, "extra": _grid_extra}
+GRIDS = {"full": _grid_full, "quick": _grid_quick, "cross": _grid_cross, "extra": _grid_extra, "sink": _grid_sink}
 
 
 def grid_configs(name: str, seed: int = 0) -> list[KVQuantConfig]:

@@ -44,7 +44,7 @@ def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: i
 
     return choose_config(cache.k_format, cache.v_format, cache.head_dim, cache.page_size, q_dtype, group,
                          seqlen_q, causal, split, ring_window=cache.recent_window,
-                         ring_dtype=_dtype_name(cache.dtype))
+                         ring_dtype=_dtype_name(cache.dtype), sink_tokens=cache.sink_tokens)
 
 
 def decode_cache_key(arch: str, cfg) -> tuple:
@@ -99,14 +99,17 @@ def _check_vec(t, name: str, n: int, device) -> None:
 
 
 def _check_seq_slots(cache: PagedKVCache, seq_slots, batch: int, device) -> None:
-    """``seq_slots`` is required exactly when the cache keeps a recent-token window."""
-    if cache.recent_window:
+    """``seq_slots`` is required exactly when the cache keeps a recent-token window or sink tokens."""
+    if cache.recent_window or cache.sink_tokens:
         if seq_slots is None:
-            raise ValueError(f"seq_slots: the cache keeps its newest {cache.recent_window} tokens per sequence in "
-                             f"a ring; pass seq_slots ({batch},) int32, the ring slot of each batch row")
+            what = (f"its newest {cache.recent_window} tokens per sequence in a ring" if cache.recent_window
+                    else f"the first {cache.sink_tokens} tokens per sequence in a sink buffer")
+            raise ValueError(f"seq_slots: the cache keeps {what}; pass seq_slots ({batch},) int32, the ring / sink "
+                             "slot of each batch row")
         _check_vec(seq_slots, "seq_slots", batch, device)
     elif seq_slots is not None:
-        raise ValueError("seq_slots: the cache has no recent-token window (recent_window=0); pass None")
+        raise ValueError("seq_slots: the cache has no recent-token window and no sink tokens (recent_window=0, "
+                         "sink_tokens=0); pass None")
 
 
 def _flash_attn_with_kvcache_eager(
@@ -132,7 +135,9 @@ def _flash_attn_with_kvcache_eager(
 
     Caches with a recent-token window W need ``seq_slots`` (batch,) int32, the ring slot of each batch row: the
     newest min(len, W) positions of sequence b are read from ``ring[seq_slots[b], :, position % W]`` (bf16 /
-    f16), older ones from the quantized pages, in the same launch (as ``paged_decode_reference``). Ring slots
+    f16), older ones from the quantized pages, in the same launch (as ``paged_decode_reference``). Caches with
+    ``sink_tokens`` N need ``seq_slots`` too: positions below N are read from ``sink[seq_slots[b], :, position]``
+    and the ring then covers ``[max(N, len - W), len)`` (``qattn.layouts.paged.read_sources``). Ring / sink slots
     are clamped to [0, max_seqs) on the device, like block ids.
     Returns ``out`` (batch, seqlen_q, num_heads, head_dim) in q's dtype, and with ``return_lse`` also the
     natural-log LSE (batch, num_heads, seqlen_q) fp32.
@@ -234,7 +239,7 @@ def _flash_attn_with_kvcache_eager(
         fast(kern)(addr(q), addr(lay.k_data), addr(lay.k_scale_pool), addr(lay.k_global_scale),
                    addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
                    addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
-                   addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots),
+                   addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots), addr(lay.k_sink), addr(lay.v_sink),
                    B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
                    softmax_scale * math.log2(math.e), stream)
         if split:
@@ -251,7 +256,7 @@ def _kernels(arch: str, cache: PagedKVCache, qd: str, group: int, seqlen_q: int,
     from ..cute_kernels.sm90.decode_config import tuning_from_env
 
     memo_key = (arch, cache.k_format, cache.v_format, cache.head_dim, cache.page_size, cache.recent_window,
-                cache.dtype, qd, group, seqlen_q, bool(causal), split, tuning_from_env())
+                cache.sink_tokens, cache.dtype, qd, group, seqlen_q, bool(causal), split, tuning_from_env())
     hit = _KERNELS.get(memo_key)
     if hit is not None:
         return hit

@@ -25,6 +25,8 @@ def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: boo
 
     if cache.recent_window:
         raise ValueError("cache: the SM100 decode kernel does not read the recent-token ring yet (recent_window > 0)")
+    if cache.sink_tokens:
+        raise ValueError("cache: the SM100 decode kernel does not read the sink buffer yet (sink_tokens > 0)")
     check_rows(seqlen_q, group)
     return DecodeConfigSm100(cache.k_format, cache.v_format, cache.head_dim, q_dtype, group, cache.page_size,
                              bool(causal), bool(split))

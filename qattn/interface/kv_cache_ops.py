@@ -57,17 +57,19 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     K (smoothing); a cache built with ``rotate=True`` applies its randomized Hadamard rotation to K and V. The
     ring, if any, stores the transformed rows (what decode reads).
 
-    For a cache with a recent window, ``seq_slots`` and ``positions`` (num_tokens,) int64 are required and
-    each kept token is also written, unquantized, to ``ring[seq_slot, :, position % W]``. Precondition when a
-    ring entry is hit by several tokens of one call: those tokens' sequence is contiguous in the call with
-    consecutive positions (prefill chunks, decode batches); then the largest position stays, as in the
-    reference. Slots must be distinct.
+    For a cache with a recent window or sink tokens, ``seq_slots`` and ``positions`` (num_tokens,) int64 are
+    required. With a window each kept token is also written, unquantized, to ``ring[seq_slot, :, position % W]``.
+    Precondition when a ring entry is hit by several tokens of one call: those tokens' sequence is contiguous in
+    the call with consecutive positions (prefill chunks, decode batches); then the largest position stays, as in
+    the reference. With ``sink_tokens = N`` a kept token at position ``< N`` is also written, unquantized, to
+    ``sink[seq_slot, :, position]`` (same launch). Slots must be distinct.
 
     ``check=False`` (default): only metadata checks (types, shapes, devices, sizes); no host synchronisation,
     so it is safe inside CUDA graphs (a position outside the RoPE table is then clamped into it: wrong numbers,
     never an out-of-bounds read). ``check=True`` also validates values (synchronises): slots in
     ``[-1, capacity)`` and distinct, seq_slots in range, positions >= 0 (and inside the RoPE table), the ring
-    precondition above, and finite k / v / k_mean.
+    precondition above, no (seq_slot, position) twice, and finite k / v / k_mean. (Without ``check``, a sink
+    row whose seq_slot or position is out of range is not written; the kernel never writes out of bounds there.)
     """
     from ..cute_kernels import kv_insert
     from .variants import supported_arch
@@ -94,14 +96,16 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         if g.num_blocks * H * g.page_size * g.row_bytes // 4 > _MAX_I32:
             raise ValueError("write_kv: a data pool exceeds 2^31 32-bit words (kernel indexing)")
     ring = bool(cache.recent_window)
-    if ring:
+    sink = cache.sink_tokens
+    if ring or sink:
         if seq_slots is None or positions is None:
-            raise ValueError("seq_slots: a cache with a recent window needs seq_slots and positions")
+            what = "a recent window" if ring else f"sink_tokens={sink}"
+            raise ValueError(f"seq_slots: a cache with {what} needs seq_slots and positions (num_tokens,) int64")
         _tensor(seq_slots, "seq_slots", (torch.int64,), dev, (n,))
-        if cache.max_seqs * H * cache.recent_window * D > _MAX_I32:
-            raise ValueError("write_kv: the ring exceeds the kernel's 32-bit indexing")
+        if cache.max_seqs * H * max(cache.recent_window, sink) * D > _MAX_I32:
+            raise ValueError("write_kv: the ring or the sink buffer exceeds the kernel's 32-bit indexing")
     elif seq_slots is not None:
-        raise ValueError("seq_slots: the cache has no recent window; pass no seq_slots")
+        raise ValueError("seq_slots: the cache has no recent window and no sink tokens; pass no seq_slots")
     if rope is not None:
         if not isinstance(rope, RoPE):
             raise TypeError(f"rope: expected a qattn.RoPE, got {type(rope).__name__}")
@@ -112,8 +116,9 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
             raise ValueError("rope: the cos/sin table exceeds the kernel's 32-bit indexing")
         if positions is None:
             raise ValueError("positions: RoPE needs each token's position")
-    elif positions is not None and not ring:
-        raise ValueError("positions: the cache has no recent window and no RoPE is applied; pass no positions")
+    elif positions is not None and not (ring or sink):
+        raise ValueError("positions: the cache has no recent window, no sink tokens and no RoPE is applied; "
+                         "pass no positions")
     if positions is not None:
         _tensor(positions, "positions", (torch.int64,), dev, (n,))
     if k_mean is not None:
@@ -126,7 +131,7 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
                              ring_bf16=cache.dtype == torch.bfloat16,
                              rope_style=None if rope is None else rope.style,
                              rotary_dim=0 if rope is None else rope.rotary_dim,
-                             smooth=k_mean is not None, rotate=cache.rotate)
+                             smooth=k_mean is not None, rotate=cache.rotate, sink_tokens=sink)
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
         k16, v16 = _aligned16(k), _aligned16(v)
@@ -137,7 +142,8 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
                                 lay, cache.num_blocks, cache.page_size, cache.recent_window, cache.max_seqs,
                                 cos_sin=None if rope is None else rope.cos_sin_cache,
                                 k_mean=None if k_mean is None else _aligned16(k_mean),
-                                rot_signs=_aligned16(cache.rotation_signs) if cache.rotate else None)
+                                rot_signs=_aligned16(cache.rotation_signs) if cache.rotate else None,
+                                sink_tokens=sink)
 
 
 def _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope=None, k_mean=None) -> None:
@@ -156,7 +162,7 @@ def _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope=None, k_
         p = positions[s >= 0]
         if bool(((p < 0) | (p >= rope.max_position)).any()):
             raise ValueError(f"positions: values must be in [0, {rope.max_position}) (the RoPE table's rows)")
-    if not cache.recent_window:
+    if not (cache.recent_window or cache.sink_tokens):
         return
     keep = s >= 0
     seqs, pos = seq_slots, positions
@@ -164,6 +170,13 @@ def _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope=None, k_
         raise ValueError(f"seq_slots: values must be in [0, {cache.max_seqs})")
     if bool((pos[keep] < 0).any()):
         raise ValueError("positions: values must be >= 0")
+    if cache.sink_tokens:  # two tokens on one sink entry would race (the reference rejects any repeat)
+        first = keep & (pos < cache.sink_tokens)
+        entry = seqs[first] * cache.sink_tokens + pos[first]
+        if entry.numel() != torch.unique(entry).numel():
+            raise ValueError("positions: the same (seq_slot, position) appears twice")
+    if not cache.recent_window:
+        return
     # The kernel's rule (token t yields its ring entry to token t + W of the same sequence at position + W)
     # must pick the same tokens as the reference's rule (the largest position per ring entry).
     n, W = s.numel(), cache.recent_window

@@ -29,9 +29,10 @@ def _parse(s: str) -> KVFormat:
 
 def _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
           k_format: str, v_format: str, page_size: int, head_dim: int, ring_dtype, rotation_signs=None,
-          rotation_seed: int = 0) -> PagedKVCache:
+          rotation_seed: int = 0, k_sink=None, v_sink=None) -> PagedKVCache:
     # rotation_signs (the cache's device tensor) is passed through, so the op never copies from the host
-    layer = KVLayer(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring)
+    layer = KVLayer(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
+                    k_sink, v_sink)
     return PagedKVCache.from_tensors([layer], page_size, head_dim, (_parse(k_format), _parse(v_format)),
                                      dtype=ring_dtype, rotate=rotation_signs is not None,
                                      rotation_seed=rotation_seed, rotation_signs=rotation_signs)
@@ -41,8 +42,14 @@ def _head_dim(k_data: torch.Tensor, k_format: str) -> int:
     return k_data.shape[-1] * (2 if _parse(k_format).is_packed else 1)
 
 
+def _unquantized_dtype(k_ring, k_sink) -> torch.dtype:
+    """The cache's dtype, as held by its ring or sink rows (bf16 when it has neither: then unused)."""
+    t = k_ring if k_ring is not None else k_sink
+    return t.dtype if t is not None else torch.bfloat16
+
+
 @torch.library.custom_op("qattn::write_kv", mutates_args=("k_data", "v_data", "k_scale_pool", "v_scale_pool",
-                                                         "k_ring", "v_ring"))
+                                                         "k_ring", "v_ring", "k_sink", "v_sink"))
 def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                 k_data: torch.Tensor, v_data: torch.Tensor,
                 k_scale_pool: Optional[torch.Tensor], v_scale_pool: Optional[torch.Tensor],
@@ -52,14 +59,14 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                 k_format: str, v_format: str, page_size: int,
                 cos_sin_cache: Optional[torch.Tensor] = None, rope_style: str = "neox",
                 k_mean: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
-                rotation_seed: int = 0) -> None:
+                rotation_seed: int = 0, k_sink: Optional[torch.Tensor] = None,
+                v_sink: Optional[torch.Tensor] = None) -> None:
     from ..quant.transforms import RoPE
     from .kv_cache_ops import _write_kv_eager
 
-    ring_dtype = k_ring.dtype if k_ring is not None else torch.bfloat16
     cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
-                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype, rotation_signs,
-                  rotation_seed)
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), _unquantized_dtype(k_ring, k_sink),
+                  rotation_signs, rotation_seed, k_sink, v_sink)
     rope = None if cos_sin_cache is None else RoPE(cos_sin_cache, rope_style)
     _write_kv_eager(cache, 0, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
                     k_mean=k_mean)
@@ -68,7 +75,7 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 @write_kv_op.register_fake
 def _(k, v, slot_mapping, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring,
       v_ring, seq_slots, positions, k_format, v_format, page_size, cos_sin_cache=None, rope_style="neox",
-      k_mean=None, rotation_signs=None, rotation_seed=0) -> None:
+      k_mean=None, rotation_signs=None, rotation_seed=0, k_sink=None, v_sink=None) -> None:
     return None
 
 
@@ -79,12 +86,13 @@ def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
                     cache_seqlens: torch.Tensor, block_table: torch.Tensor, k_format: str, v_format: str,
                     page_size: int, softmax_scale: float, causal: bool,
                     num_splits: int, k_ring: Optional[torch.Tensor] = None, v_ring: Optional[torch.Tensor] = None,
-                    seq_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    seq_slots: Optional[torch.Tensor] = None, k_sink: Optional[torch.Tensor] = None,
+                    v_sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode import _flash_attn_with_kvcache_eager
 
-    ring_dtype = k_ring.dtype if k_ring is not None else torch.bfloat16
     cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
-                  k_format, v_format, page_size, _head_dim(k_data, k_format), ring_dtype)
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), _unquantized_dtype(k_ring, k_sink),
+                  k_sink=k_sink, v_sink=v_sink)
     return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots,
                                           softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                           return_lse=True)
@@ -92,7 +100,8 @@ def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
 
 @paged_decode_op.register_fake
 def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, cache_seqlens, block_table,
-      k_format, v_format, page_size, softmax_scale, causal, num_splits, k_ring=None, v_ring=None, seq_slots=None):
+      k_format, v_format, page_size, softmax_scale, causal, num_splits, k_ring=None, v_ring=None, seq_slots=None,
+      k_sink=None, v_sink=None):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -104,7 +113,7 @@ def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slo
                              lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring, seq_slots, positions,
                              format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
                              None if rope is None else rope.cos_sin_cache, "neox" if rope is None else rope.style,
-                             k_mean, cache.rotation_signs, cache.rotation_seed or 0)
+                             k_mean, cache.rotation_signs, cache.rotation_seed or 0, lay.k_sink, lay.v_sink)
 
 
 def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,
@@ -117,7 +126,7 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
                                           lay.k_global_scale, lay.v_global_scale, cache_seqlens, block_table,
                                           format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
                                           scale, bool(causal), int(num_splits), lay.k_ring, lay.v_ring,
-                                          seq_slots)
+                                          seq_slots, lay.k_sink, lay.v_sink)
     if out is not None:
         out.copy_(o)
         o = out

@@ -6,7 +6,7 @@ Examples::
     qattn-warmup --arch sm_90a,sm_100a --kernels fp4_dequant --kv-formats nvfp4,mxfp4 --head-dims 64,128
     qattn-warmup --arch auto --jobs 4        # the local GPU's arch, 4 compile processes
     qattn-warmup --arch sm_90a --kernels decode,combine --kv-formats nvfp4,int8+nvfp4 --head-dims 128 \
-        --gqa 4,8 --page-sizes 16 --seqlen-q 1,4 --recent-windows 0,64
+        --gqa 4,8 --page-sizes 16 --seqlen-q 1,4 --recent-windows 0,64 --sink-tokens 0,1
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def _ints(s: str | None) -> list[int] | None:
 def _filters(args) -> dict:
     return {"kv_formats": _csv(args.kv_formats), "head_dims": _ints(args.head_dims), "gqa": _ints(args.gqa),
             "page_sizes": _ints(args.page_sizes), "seqlen_q": _ints(args.seqlen_q),
-            "recent_windows": _ints(args.recent_windows), "q_dtypes": _csv(args.q_dtypes)}
+            "recent_windows": _ints(args.recent_windows), "sink_tokens": _ints(args.sink_tokens),
+            "q_dtypes": _csv(args.q_dtypes)}
 
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--page-sizes", default=None, help="comma list of page sizes")
     p.add_argument("--seqlen-q", default=None, help="comma list of query tokens per step (decode; default 1)")
     p.add_argument("--recent-windows", default=None, help="comma list of recent-token windows (decode; default 0)")
+    p.add_argument("--sink-tokens", default=None, help="comma list of sink token counts (decode; default 0)")
     p.add_argument("--q-dtypes", default=None, help="comma list of bf16 / f16 (decode, combine; default bf16)")
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")

@@ -8,6 +8,7 @@ In-block layout ("HND", see docs/formats.md for byte diagrams). For one layer:
                 none                                               bf16
     global scale (num_kv_heads,) float32                                   nvfp4 only
     ring        (max_seqs, num_kv_heads, recent_window, head_dim)  dtype   caches with a recent-token window
+    sink        (max_seqs, num_kv_heads, sink_tokens, head_dim)    dtype   caches that pin the first tokens
 
 Why heads before tokens: a decode CTA works on one (sequence, kv_head) and walks its pages, so the
 page_size x row_bytes tile it loads for a block is one contiguous run of bytes (one TMA box, or 16-byte
@@ -28,6 +29,8 @@ import torch
 from .formats import FormatSpec, KVFormat, kv_formats
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
+# Sink tokens per sequence: the decode kernel reads a sequence's whole sink in one 64-token tile.
+MAX_SINK_TOKENS = 64
 
 
 def _check_pos_int(value, name: str) -> None:
@@ -172,6 +175,52 @@ class RingGeometry:
         _check_pool(t, self.shape, self.dtype, name)
 
 
+@dataclass(frozen=True)
+class SinkGeometry:
+    """The attention sink: each sequence's first ``sink_tokens`` tokens, unquantized (bf16/fp16).
+
+    Token at position ``p < sink_tokens`` of the sequence in slot ``s`` (the ring's ``seq_slots``) lives at
+    ``sink[s, head, p]``; a sink entry is written once, when its token is, and never wraps.
+    """
+
+    max_seqs: int
+    num_kv_heads: int
+    sink_tokens: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.max_seqs, self.num_kv_heads, self.sink_tokens, self.head_dim)
+
+    def offset(self, seq_slot: int, head: int, position: int) -> int:
+        """Byte offset of (slot, kv_head, token position < sink_tokens) from the sink buffer's base."""
+        if not 0 <= position < self.sink_tokens:
+            raise ValueError(f"position: expected an int in [0, {self.sink_tokens}), got {position!r}")
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return ((seq_slot * self.num_kv_heads + head) * self.sink_tokens + position) * self.head_dim * esize
+
+    def check(self, t: torch.Tensor, name: str) -> None:
+        _check_pool(t, self.shape, self.dtype, name)
+
+
+def read_sources(seq_len: int, recent_window: int, sink_tokens: int) -> tuple[range, range, range]:
+    """Which positions of a sequence of ``seq_len`` tokens attention reads from where:
+    ``(sink, pages, ring)`` as disjoint ranges that cover ``[0, seq_len)``.
+
+    * sink:  ``[0, min(N, len))``                  from ``sink[slot, h, p]`` (N = sink_tokens)
+    * pages: ``[N, max(N, len - W))`` (W > 0), ``[N, len)`` (W = 0)   quantized
+    * ring:  ``[max(N, len - W), len)``             from ``ring[slot, h, p % W]``
+
+    The sink wins where it and the window overlap (a short sequence): both hold the same unquantized row, and
+    one rule keeps the sources disjoint. Every reader (reference, kernels, the eval harness) follows it.
+    """
+    n = min(sink_tokens, seq_len)
+    page_end = max(sink_tokens, seq_len - recent_window) if recent_window else max(sink_tokens, seq_len)
+    page_end = min(page_end, seq_len)
+    return range(0, n), range(min(sink_tokens, seq_len), page_end), range(max(page_end, n), seq_len)
+
+
 @dataclass
 class KVLayer:
     """The plain tensors of one layer: what a serving engine allocates and passes around."""
@@ -184,11 +233,14 @@ class KVLayer:
     v_global_scale: torch.Tensor | None
     k_ring: torch.Tensor | None = None  # (max_seqs, num_kv_heads, window, head_dim)
     v_ring: torch.Tensor | None = None
+    k_sink: torch.Tensor | None = None  # (max_seqs, num_kv_heads, sink_tokens, head_dim)
+    v_sink: torch.Tensor | None = None
 
 
 class PagedKVCache:
     """A paged, quantized KV cache: per layer a K and a V data pool, scale pools with the same block ids,
-    per-(layer, kv_head) fp32 global scales (nvfp4) and, optionally, a bf16 ring of the newest tokens.
+    per-(layer, kv_head) fp32 global scales (nvfp4) and, optionally, a bf16 ring of the newest tokens and a
+    bf16 copy of the first tokens (the attention sink).
 
     It is a thin owner of plain torch tensors. Build one that allocates (``PagedKVCache(...)``) or one that
     views tensors you allocated (:meth:`from_tensors`); every function that takes a cache reads only the
@@ -199,9 +251,12 @@ class PagedKVCache:
             a power of two).
         kv_format: a format name, :class:`KVFormat`, or ``(k_format, v_format)`` pair.
         device, dtype: where the pools live; ``dtype`` (bf16 or fp16) is the activation dtype, used by the
-            recent-token ring.
+            recent-token ring and the sink buffer.
         recent_window: keep each sequence's newest ``recent_window`` tokens in a ring (0 = off).
-        max_seqs: ring slots (sequences that can be live at once); required with a window.
+        sink_tokens: also keep each sequence's first ``sink_tokens`` tokens (0..MAX_SINK_TOKENS) unquantized
+            in a sink buffer ``sink[seq_slot, head, position]`` (0 = off). The pages still hold every token.
+            Which source attention reads for each position: :func:`read_sources`.
+        max_seqs: ring / sink slots (sequences that can be live at once); required with a window or sinks.
         rotate: store K and V in a randomized-Hadamard-rotated basis (``qattn.quant.transforms.rotate_rows`` with
             :attr:`rotation_signs`, one fixed rotation per cache, head_dim a power of two). ``qattn.write_kv``
             rotates what it stores (pages and ring), ``qattn.flash_attn_with_kvcache`` rotates q and rotates the
@@ -224,6 +279,7 @@ class PagedKVCache:
         max_seqs: int = 0,
         rotate: bool = False,
         rotation_seed: int = 0,
+        sink_tokens: int = 0,
         _layers: Sequence[KVLayer] | None = None,
         _rotation_signs: torch.Tensor | None = None,
     ) -> None:
@@ -237,6 +293,11 @@ class PagedKVCache:
             raise ValueError(f"recent_window: expected an int >= 0, got {recent_window!r}")
         if recent_window and (not isinstance(max_seqs, int) or max_seqs <= 0):
             raise ValueError(f"max_seqs: a cache with recent_window={recent_window} needs max_seqs > 0")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or not 0 <= sink_tokens <= MAX_SINK_TOKENS:
+            raise ValueError(f"sink_tokens: expected an int in [0, {MAX_SINK_TOKENS}], got {sink_tokens!r}")
+        if sink_tokens and (not isinstance(max_seqs, int) or max_seqs <= 0):
+            raise ValueError(f"max_seqs: a cache with sink_tokens={sink_tokens} needs max_seqs > 0 "
+                             "(one sink slot per live sequence, indexed by seq_slots like the ring)")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.page_size = page_size
@@ -244,9 +305,13 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.recent_window = recent_window
-        self.max_seqs = max_seqs if recent_window else 0
+        self.sink_tokens = sink_tokens
+        self.max_seqs = max_seqs if (recent_window or sink_tokens) else 0
         self.ring_geometry = (
             RingGeometry(self.max_seqs, num_kv_heads, recent_window, head_dim, dtype) if recent_window else None
+        )
+        self.sink_geometry = (
+            SinkGeometry(self.max_seqs, num_kv_heads, sink_tokens, head_dim, dtype) if sink_tokens else None
         )
         if not isinstance(rotate, bool):
             raise TypeError(f"rotate: expected a bool, got {rotate!r}")
@@ -284,15 +349,18 @@ class PagedKVCache:
         k_sc, v_sc = self.k_geometry.empty_scales(dev, L), self.v_geometry.empty_scales(dev, L)
         k_gs = torch.ones(L, self.num_kv_heads, dtype=torch.float32, device=dev) if self.k_format.has_global_scale else None
         v_gs = torch.ones(L, self.num_kv_heads, dtype=torch.float32, device=dev) if self.v_format.has_global_scale else None
-        rings = None
+        rings = sinks = None
         if self.ring_geometry is not None:
             rings = [torch.zeros((L, *self.ring_geometry.shape), dtype=self.dtype, device=dev) for _ in range(2)]
+        if self.sink_geometry is not None:
+            sinks = [torch.zeros((L, *self.sink_geometry.shape), dtype=self.dtype, device=dev) for _ in range(2)]
         return [
             KVLayer(
                 k_data[i], v_data[i],
                 None if k_sc is None else k_sc[i], None if v_sc is None else v_sc[i],
                 None if k_gs is None else k_gs[i], None if v_gs is None else v_gs[i],
                 None if rings is None else rings[0][i], None if rings is None else rings[1][i],
+                None if sinks is None else sinks[0][i], None if sinks is None else sinks[1][i],
             )
             for i in range(L)
         ]
@@ -313,7 +381,8 @@ class PagedKVCache:
         """A cache viewing tensors the caller allocated (no copy). ``layers`` holds one :class:`KVLayer` per
         layer; shapes, dtypes, contiguity and devices are checked against the geometry. ``rotate`` /
         ``rotation_seed`` as in the constructor; ``rotation_signs`` optionally passes the device sign vector of
-        an existing cache (``cache.rotation_signs``) instead of building it (trusted to match the seed)."""
+        an existing cache (``cache.rotation_signs``) instead of building it (trusted to match the seed).
+        The window, sink size and max_seqs are read from the ring / sink tensors' shapes."""
         if not layers:
             raise ValueError("layers: need at least one KVLayer")
         for i, lay in enumerate(layers):
@@ -323,12 +392,16 @@ class PagedKVCache:
         if not isinstance(first.k_data, torch.Tensor) or first.k_data.dim() != 4:
             raise ValueError("layers[0].k_data: expected a 4-d tensor (num_blocks, num_kv_heads, page_size, row)")
         num_blocks, num_kv_heads = int(first.k_data.shape[0]), int(first.k_data.shape[1])
-        ring = first.k_ring
+        ring, sink = first.k_ring, first.k_sink
+        for t, nm in ((ring, "k_ring"), (sink, "k_sink")):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
+                raise ValueError(f"layers[0].{nm}: expected a 4-d tensor (max_seqs, num_kv_heads, tokens, head_dim)")
         window = int(ring.shape[2]) if ring is not None else 0
-        max_seqs = int(ring.shape[0]) if ring is not None else 0
+        sink_tokens = int(sink.shape[2]) if sink is not None else 0
+        max_seqs = int(ring.shape[0]) if ring is not None else (int(sink.shape[0]) if sink is not None else 0)
         cache = cls(len(layers), num_blocks, page_size, num_kv_heads, head_dim, kv_format, first.k_data.device,
                     dtype, recent_window=window, max_seqs=max_seqs, rotate=rotate, rotation_seed=rotation_seed,
-                    _layers=layers, _rotation_signs=rotation_signs)
+                    sink_tokens=sink_tokens, _layers=layers, _rotation_signs=rotation_signs)
         for i, lay in enumerate(layers):
             cache._check_layer(lay, f"layers[{i}]")
         return cache
@@ -352,8 +425,15 @@ class PagedKVCache:
                     raise ValueError(f"{name}.{nm}: the cache has no recent window, expected None")
             else:
                 self.ring_geometry.check(ring, f"{name}.{nm}")
+        for sink, nm in ((lay.k_sink, "k_sink"), (lay.v_sink, "v_sink")):
+            if self.sink_geometry is None:
+                if sink is not None:
+                    raise ValueError(f"{name}.{nm}: the cache keeps no sink tokens, expected None")
+            else:
+                self.sink_geometry.check(sink, f"{name}.{nm}")
         devices = {t.device for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
-                                      lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring) if t is not None}
+                                      lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring,
+                                      lay.k_sink, lay.v_sink) if t is not None}
         if len(devices) != 1 or devices.pop() != self.device:
             raise ValueError(f"{name}: all tensors must be on one device ({self.device})")
 
@@ -435,11 +515,11 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every tensor of the cache (pools, scales, global scales, rings)."""
+        """Bytes held by every tensor of the cache (pools, scales, global scales, rings, sinks)."""
         total = 0
         for lay in self._layers:
             for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_global_scale,
-                      lay.v_global_scale, lay.k_ring, lay.v_ring):
+                      lay.v_global_scale, lay.k_ring, lay.v_ring, lay.k_sink, lay.v_sink):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
@@ -447,8 +527,8 @@ class PagedKVCache:
     @staticmethod
     def blocks_for_budget(budget_bytes: int, page_size: int, num_kv_heads: int, head_dim: int,
                           kv_format: FormatSpec = "nvfp4", num_layers: int = 1, *, recent_window: int = 0,
-                          max_seqs: int = 0, dtype: torch.dtype = torch.bfloat16) -> int:
-        """How many blocks fit in ``budget_bytes`` (all layers, K and V, scales and ring included)."""
+                          max_seqs: int = 0, dtype: torch.dtype = torch.bfloat16, sink_tokens: int = 0) -> int:
+        """How many blocks fit in ``budget_bytes`` (all layers, K and V, scales, ring and sink included)."""
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
         _check_pos_int(num_layers, "num_layers")
@@ -457,16 +537,18 @@ class PagedKVCache:
         gv = PoolGeometry(1, page_size, num_kv_heads, head_dim, vf)
         per_block = num_layers * (gk.bytes_per_block + gv.bytes_per_block)
         fixed = num_layers * num_kv_heads * 4 * (int(kf.has_global_scale) + int(vf.has_global_scale))
-        if recent_window:
+        if recent_window or sink_tokens:
             esize = torch.empty((), dtype=dtype).element_size()
-            fixed += num_layers * 2 * max_seqs * num_kv_heads * recent_window * head_dim * esize
+            fixed += num_layers * 2 * max_seqs * num_kv_heads * (recent_window + sink_tokens) * head_dim * esize
         return max(0, (budget_bytes - fixed) // per_block)
 
     def blocks_needed(self, seqlen: int) -> int:
         return math.ceil(seqlen / self.page_size)
 
     def __repr__(self) -> str:
-        ring = f", recent_window={self.recent_window}, max_seqs={self.max_seqs}" if self.recent_window else ""
+        ring = f", recent_window={self.recent_window}" if self.recent_window else ""
+        ring += f", sink_tokens={self.sink_tokens}" if self.sink_tokens else ""
+        ring += f", max_seqs={self.max_seqs}" if self.max_seqs else ""
         if self.rotate:
             ring += f", rotate=True, rotation_seed={self.rotation_seed}"
         return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, page_size={self.page_size}, "

@@ -78,15 +78,17 @@ def paged_decode_reference(
     """Attention of q (batch, seqlen_q, num_heads, head_dim) over a paged cache, in float64.
 
     Keys and values are what the cache holds: the quantized pages decoded exactly, and with ``seq_slots``
-    (caches with a recent window) the newest ``recent_window`` tokens of each sequence from the ring.
+    (caches with a recent window or sink tokens) the unquantized rows where attention reads them
+    (``qattn.layouts.paged.read_sources``): the first ``min(sink_tokens, len)`` positions from the sink buffer,
+    ``[max(sink_tokens, len - W), len)`` from the ring, the rest from the pages.
     Arguments follow ``flash_attn_with_kvcache``; the causal mask is aligned to the end of the cache.
     """
     if q.dim() != 4 or q.shape[3] != cache.head_dim:
         raise ValueError(f"q: expected (batch, seqlen_q, num_heads, {cache.head_dim}), got {tuple(q.shape)}")
     if q.shape[2] % cache.num_kv_heads:
         raise ValueError(f"q: {q.shape[2]} heads is not a multiple of {cache.num_kv_heads} kv heads")
-    if cache.recent_window and seq_slots is None:
-        raise ValueError("seq_slots: a cache with a recent window needs seq_slots")
+    if (cache.recent_window or cache.sink_tokens) and seq_slots is None:
+        raise ValueError("seq_slots: a cache with a recent window or sink tokens needs seq_slots")
     k, v = flatten_kv_reference(cache, layer, block_table, cache_seqlens, seq_slots=seq_slots,
                                 dtype=torch.float64)
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,

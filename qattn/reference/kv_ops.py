@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts.paged import PagedKVCache
+from ..layouts.paged import PagedKVCache, read_sources
 from ..quant.reference import dequantize, quantize
 from ..quant.transforms import RoPE, apply_rope, transform_kv
 
@@ -60,10 +60,11 @@ def write_kv_reference(
     transformed rows (rounded to the cache's dtype): exactly what decode reads, so decode needs no special case.
 
     ``slot_mapping[t] = block * page_size + offset``; -1 skips the token (padding). Slots must be distinct.
-    For a cache with a recent-token window, ``seq_slots[t]`` (ring slot of the token's sequence) and
-    ``positions[t]`` (its position in the sequence) are required: the token is also written, unquantized,
-    to ``ring[seq_slot, :, position % window]``; when several tokens of one call land on one ring entry,
-    the one with the largest position stays.
+    For a cache with a recent-token window or sink tokens, ``seq_slots[t]`` (ring / sink slot of the token's
+    sequence) and ``positions[t]`` (its position in the sequence) are required. With a window the token is also
+    written, unquantized, to ``ring[seq_slot, :, position % window]``; when several tokens of one call land on
+    one ring entry, the one with the largest position stays. With ``sink_tokens = N``, a token at position
+    ``< N`` is also written, unquantized, to ``sink[seq_slot, :, position]`` (and still to its page and the ring).
     """
     lay = cache.layer(layer)
     _check_kv(k, v, cache)
@@ -102,34 +103,52 @@ def write_kv_reference(
         if scale_pool is not None:
             scale_pool[blk, :, off] = scales
 
-    if cache.recent_window:
-        _write_ring(cache, lay, k, v, keep, seq_slots, positions)
+    if cache.recent_window or cache.sink_tokens:
+        seqs, pos = _seq_positions(cache, k.shape[0], keep, seq_slots, positions)
+        if cache.recent_window:
+            _write_ring(cache, lay, k[keep], v[keep], seqs, pos)
+        if cache.sink_tokens:
+            _write_sink(cache, lay, k[keep], v[keep], seqs, pos)
     elif seq_slots is not None:
-        raise ValueError("seq_slots: the cache has no recent window; pass no seq_slots")
+        raise ValueError("seq_slots: the cache has no recent window and no sink tokens; pass no seq_slots")
     elif positions is not None and rope is None:
-        raise ValueError("positions: the cache has no recent window and no RoPE is applied; pass no positions")
+        raise ValueError("positions: the cache has no recent window, no sink tokens and no RoPE is applied; "
+                         "pass no positions")
 
 
-def _write_ring(cache: PagedKVCache, lay, k, v, keep, seq_slots, positions) -> None:
-    n = k.shape[0]
+def _seq_positions(cache: PagedKVCache, n: int, keep, seq_slots, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept tokens' (seq_slot, position), validated: what the ring and the sink are indexed by."""
     if seq_slots is None or positions is None:
-        raise ValueError("seq_slots: a cache with a recent window needs seq_slots and positions")
+        what = "a recent window" if cache.recent_window else f"sink_tokens={cache.sink_tokens}"
+        raise ValueError(f"seq_slots: a cache with {what} needs seq_slots and positions")
     seqs = _check_int_vector(seq_slots, n, "seq_slots", cache.device)[keep]
     pos = _check_int_vector(positions, n, "positions", cache.device)[keep]
     if bool(((seqs < 0) | (seqs >= cache.max_seqs)).any()):
         raise ValueError(f"seq_slots: values must be in [0, {cache.max_seqs})")
     if bool((pos < 0).any()):
         raise ValueError("positions: values must be >= 0")
-    W = cache.recent_window
-    entry = seqs * W + pos % W
     token_key = seqs * (int(pos.max()) + 1 if pos.numel() else 1) + pos
     if token_key.numel() != torch.unique(token_key).numel():
         raise ValueError("positions: the same (seq_slot, position) appears twice")
+    return seqs, pos
+
+
+def _write_sink(cache: PagedKVCache, lay, k, v, seqs, pos) -> None:
+    """Tokens at positions < sink_tokens into sink[seq_slot, :, position] (each entry is hit at most once)."""
+    first = pos < cache.sink_tokens
+    lay.k_sink[seqs[first], :, pos[first]] = k[first].to(cache.dtype)
+    lay.v_sink[seqs[first], :, pos[first]] = v[first].to(cache.dtype)
+
+
+def _write_ring(cache: PagedKVCache, lay, k, v, seqs, pos) -> None:
+    """Kept tokens (already filtered) into ring[seq_slot, :, position % W]."""
+    W = cache.recent_window
+    entry = seqs * W + pos % W
     # Keep, per ring entry, the token with the largest position.
     newest = torch.full((cache.max_seqs * W,), -1, dtype=torch.long, device=cache.device)
     newest.scatter_reduce_(0, entry, pos, reduce="amax")
     win = pos == newest[entry]
-    kk, vv = k[keep][win], v[keep][win]
+    kk, vv = k[win], v[win]
     lay.k_ring[seqs[win], :, pos[win] % W] = kk.to(cache.dtype)
     lay.v_ring[seqs[win], :, pos[win] % W] = vv.to(cache.dtype)
 
@@ -169,8 +188,10 @@ def flatten_kv_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V, each (batch, max_len, num_kv_heads, head_dim) in ``dtype``, zero past each length.
 
-    Values are decoded from the quantized pages. With ``seq_slots`` (and a cache with a recent window), each
-    sequence's newest ``recent_window`` tokens come from the ring instead: exactly what attention sees.
+    Values are decoded from the quantized pages. With ``seq_slots`` (a cache with a recent window or sink
+    tokens), positions come from the source attention reads them from (``qattn.layouts.paged.read_sources``):
+    the first ``min(sink_tokens, len)`` from the sink buffer, ``[max(sink_tokens, len - W), len)`` from the ring,
+    the rest from the pages. Without ``seq_slots`` every position is decoded from its page.
     """
     lay = cache.layer(layer)
     table, lens = check_block_table(cache, block_table, cache_seqlens)
@@ -183,28 +204,38 @@ def flatten_kv_reference(
     blk = torch.where(valid, blk, 0)
     off = (pos % P)[None, :].expand(B, -1)
     out = []
-    for fmt, data, scale_pool, gscale, ring in (
-        (cache.k_format, lay.k_data, lay.k_scale_pool, lay.k_global_scale, lay.k_ring),
-        (cache.v_format, lay.v_data, lay.v_scale_pool, lay.v_global_scale, lay.v_ring),
+    for fmt, data, scale_pool, gscale, ring, sink in (
+        (cache.k_format, lay.k_data, lay.k_scale_pool, lay.k_global_scale, lay.k_ring, lay.k_sink),
+        (cache.v_format, lay.v_data, lay.v_scale_pool, lay.v_global_scale, lay.v_ring, lay.v_sink),
     ):
         payload = data[blk, :, off]  # (B, max_len, H, row)
         scales = None if scale_pool is None else scale_pool[blk, :, off]
         x = dequantize(payload, scales, fmt, gscale, dtype=torch.float32)
         if seq_slots is not None:
-            x = _overlay_ring(cache, ring, x, lens, seq_slots)
+            x = _overlay_unquantized(cache, ring, sink, x, lens, seq_slots)
         out.append(torch.where(valid[:, :, None, None], x, 0.0).to(dtype))
     return out[0], out[1]
 
 
-def _overlay_ring(cache: PagedKVCache, ring, x, lens, seq_slots) -> torch.Tensor:
-    if not cache.recent_window:
-        raise ValueError("seq_slots: the cache has no recent window")
+def _overlay_unquantized(cache: PagedKVCache, ring, sink, x, lens, seq_slots) -> torch.Tensor:
+    """Replace the decoded pages ``x`` (B, max_len, H, D) by the ring / sink rows where attention reads those
+    (``read_sources``: positions < N from the sink, ``[max(N, len - W), len)`` from the ring)."""
+    if not (cache.recent_window or cache.sink_tokens):
+        raise ValueError("seq_slots: the cache has no recent window and no sink tokens")
     B, max_len = x.shape[0], x.shape[1]
     seqs = _check_int_vector(seq_slots, B, "seq_slots", cache.device)
     if bool(((seqs < 0) | (seqs >= cache.max_seqs)).any()):
         raise ValueError(f"seq_slots: values must be in [0, {cache.max_seqs})")
-    W = cache.recent_window
+    W, N = cache.recent_window, cache.sink_tokens
     pos = torch.arange(max_len, device=x.device)[None, :].expand(B, -1)
-    recent = (pos >= lens[:, None] - W) & (pos < lens[:, None])
-    from_ring = ring[seqs[:, None].expand(B, max_len), :, pos % W].float()  # (B, max_len, H, D)
-    return torch.where(recent[:, :, None, None], from_ring, x)
+    seq_idx = seqs[:, None].expand(B, max_len)
+    live = pos < lens[:, None]
+    if W:
+        recent = (pos >= torch.clamp(lens[:, None] - W, min=N)) & live
+        from_ring = ring[seq_idx, :, pos % W].float()  # (B, max_len, H, D)
+        x = torch.where(recent[:, :, None, None], from_ring, x)
+    if N:
+        first = (pos < N) & live
+        from_sink = sink[seq_idx, :, pos.clamp(max=N - 1)].float()
+        x = torch.where(first[:, :, None, None], from_sink, x)
+    return x

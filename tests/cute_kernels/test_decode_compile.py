@@ -47,10 +47,11 @@ RING = [
 ]
 
 
-def _compile(kf, vf, D, qd, group, sq, page, causal, split, window=0, ring_dtype="bf16"):
+def _compile(kf, vf, D, qd, group, sq, page, causal, split, window=0, ring_dtype="bf16", sink_tokens=0):
     rows = group * sq
     cfg = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(rows), page, causal, split,
-                       m_blocks=m_blocks_for(rows), ring_window=window, ring_dtype=ring_dtype)
+                       m_blocks=m_blocks_for(rows), ring_window=window, ring_dtype=ring_dtype,
+                       sink_tokens=sink_tokens)
     _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
     return cfg, ptx
 
@@ -82,6 +83,30 @@ def test_decode_ring_compiles_sm90(case):
     t = "bf16" if cfg.ring_dtype == "bf16" else "f16"
     assert ptx_count(ptx, rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{t}\.{t}\.f32") > 0
     _, base = _compile(*case[:9])
+    assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global") > ptx_count(base, r"cp\.async\.cg\.shared\.global")
+
+
+# attention sink: (k format, v format, head_dim, q dtype, group, seqlen_q, page, causal, split, W, dtype, N)
+SINK = [
+    ("nvfp4", "nvfp4", 128, "bf16", 8, 1, 64, True, True, 64, "bf16", 1),  # the shipped nvfp4 config, split
+    ("nvfp4", "nvfp4", 64, "bf16", 4, 4, 16, True, False, 0, "bf16", 4),  # sink without a ring
+    ("mxfp4", "mxfp4", 128, "f16", 16, 16, 16, True, True, 64, "f16", 64),  # 2 m-blocks, N = one whole tile
+    ("int8", "nvfp4", 64, "bf16", 8, 1, 128, False, False, 100, "f16", 3),  # row scales, W not a power of two
+    ("bf16", "bf16", 128, "bf16", 1, 1, 128, True, True, 64, "bf16", 1),  # same MMA type everywhere
+    ("fp8", "fp8", 128, "bf16", 4, 2, 256, True, True, 0, "bf16", 2),
+]
+
+
+@pytest.mark.parametrize("case", SINK, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}-g{c[4]}-sq{c[5]}-p{c[6]}"
+                         f"{'-causal' if c[7] else ''}{'-split' if c[8] else ''}-w{c[9]}-{c[10]}-n{c[11]}")
+def test_decode_sink_compiles_sm90(case):
+    """The sink tile adds its own cp.async loads and runs the bf16 / f16 path (the cache dtype's MMAs)."""
+    cfg, ptx = _compile(*case)
+    _check_ptx(cfg, ptx)
+    assert cfg.sink_tokens == case[11] and cfg.sink_tile_n >= cfg.sink_tokens
+    t = "bf16" if cfg.ring_dtype == "bf16" else "f16"
+    assert ptx_count(ptx, rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{t}\.{t}\.f32") > 0
+    _, base = _compile(*case[:11])  # the same variant without sinks
     assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global") > ptx_count(base, r"cp\.async\.cg\.shared\.global")
 
 
@@ -125,17 +150,22 @@ def test_config_validation_and_heuristic():
         DecodeConfig(f, f, 128, "bf16", 4, 4, 64, True, False, m_blocks=2)
     with pytest.raises(ValueError, match="ring_dtype"):
         DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, ring_window=64, ring_dtype="f32")
+    with pytest.raises(ValueError, match="sink_tokens"):
+        DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, sink_tokens=65)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, sink_tokens=-1)
     # many sequences: no split; one long sequence: enough splits to fill the GPU, bounded by the work
     assert num_splits_heuristic(32, 8, 8192, 132) == 1
     assert num_splits_heuristic(1, 8, 131072, 132) == 33
     assert num_splits_heuristic(1, 8, 256, 132) == 1
     cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False)
     assert cfg.key != DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, True).key
-    # every compile-time flag is in the key: m-blocks, ring on/off, W, ring dtype
+    # every compile-time flag is in the key: m-blocks, ring on/off, W, ring dtype, sink tokens
     keys = {DecodeConfig(f, f, 128, "bf16", 4, 8, 64, True, False, **kw).key
             for kw in ({}, {"m_blocks": 2}, {"ring_window": 64}, {"ring_window": 128},
-                       {"ring_window": 64, "ring_dtype": "f16"})}
-    assert len(keys) == 5
+                       {"ring_window": 64, "ring_dtype": "f16"}, {"sink_tokens": 1}, {"sink_tokens": 4},
+                       {"ring_window": 64, "sink_tokens": 1})}
+    assert len(keys) == 8
     # mxfp4 floor and rceil caches decode with the same code: one variant
     fl, rc = kv_format("mxfp4", scale_rule="floor"), kv_format("mxfp4", scale_rule="rceil")
     assert DecodeConfig(fl, fl, 64, "bf16", 1, 1, 16, True, False).key == \
@@ -161,6 +191,9 @@ def test_launcher_config_choice(monkeypatch):
         rc = idec.decode_config_for(ring, "bf16", 4, 1, True, False)
         assert (rc.ring_window, rc.ring_dtype, rc.ring_tile_n) == (64, "f16", 64)
         assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).ring_window == 0
+        sink = PagedKVCache(1, 4, 64, 2, 128, "nvfp4", sink_tokens=2, max_seqs=3, dtype=torch.float16)
+        sc = idec.decode_config_for(sink, "bf16", 4, 1, True, False)
+        assert (sc.ring_window, sc.sink_tokens, sc.ring_dtype) == (0, 2, "f16")  # the sink's dtype: the cache's
         # the environment is read once: a later change needs cache_clear()
         monkeypatch.setenv("QATTN_DECODE_WARPS", "8")
         assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).num_warps == 4
@@ -184,52 +217,92 @@ def test_launcher_config_choice(monkeypatch):
         tuning_from_env.cache_clear()
 
 
-def _emulate_schedule(kv_len, W, TN, TR, page, num_splits):
+def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0):
     """The kernel's tile schedule, written out in Python with the same formulas as ``DecodeSm90.kernel``,
-    ``_load_tile`` and ``_load_ring_tile``: {position: (split, source)} for every unmasked token, source being
-    ("page", block-table column, offset in page) or ("ring", ring row)."""
+    ``_load_tile``, ``_load_sink_tile`` and ``_load_ring_tile``: {position: (split, source)} for every unmasked
+    token, source being ("page", block-table column, offset in page), ("sink", sink row) or ("ring", ring row);
+    and the list of (split, kind) of every tile, in order."""
+    assert N <= TR  # one sink tile holds the whole sink
     page_len = max(kv_len - W, 0) if W else kv_len
-    n_page = -(-page_len // TN)
-    n_tiles = n_page + (-(-(kv_len - page_len) // TR) if W else 0)
+    sink_len, n_sink = 0, 0
+    if N:
+        page_len = max(page_len, N)
+        sink_len = min(kv_len, N)
+        n_sink = 1 if kv_len > 0 else 0
+    first_pt = N // TN
+    n_page = (-(-page_len // TN) - first_pt) if page_len > N else 0
+    n_ring = -(-(kv_len - page_len) // TR) if W and kv_len > page_len else 0
+    n_tiles = n_page + n_sink + n_ring
     per = -(-n_tiles // num_splits)
     P = min(TN, page)
-    seen = {}
+    seen, kinds = {}, []
     for split in range(num_splits):
         t_begin = split * per
         t_end = min(t_begin + per, n_tiles)
         for tile in range(t_begin, t_end):
             if tile < n_page:
+                kinds.append((split, "page"))
+                pt = first_pt + tile
                 for t in range(TN):
-                    p = tile * TN + t
-                    token0 = tile * TN + (t // P) * P  # the piece the token was loaded with
-                    if p < page_len:  # the kernel's mask for page tiles (lims_page, V's kv_len = page_len)
+                    p = pt * TN + t
+                    token0 = pt * TN + (t // P) * P  # the piece the token was loaded with
+                    if N <= p < page_len:  # the page tiles' mask: pos_lo = N, lims_page / V's kv_len = page_len
                         assert token0 < page_len  # its piece was loaded from the real block, not block 0
-                        assert seen.setdefault(p, (split, ("page", token0 // page, token0 % page + t % P))) \
-                            == (split, ("page", token0 // page, token0 % page + t % P)), "position twice"
-            else:
+                        src = ("page", token0 // page, token0 % page + t % P)
+                        assert seen.setdefault(p, (split, src)) == (split, src), "position twice"
+            elif N and tile == n_page:
+                kinds.append((split, "sink"))
                 for t in range(TR):
-                    p = page_len + (tile - n_page) * TR + t
+                    if t < sink_len:  # lims_sink / V's kv_len = sink_len
+                        assert t not in seen, "position twice"
+                        seen[t] = (split, ("sink", min(t, N - 1)))
+            else:
+                kinds.append((split, "ring"))
+                for t in range(TR):
+                    p = page_len + (tile - n_page - n_sink) * TR + t
                     if p < kv_len:
                         assert p not in seen, "position twice"
                         seen[p] = (split, ("ring", p % W))
-    return seen
+    return seen, kinds
+
+
+LENGTHS = (0, 1, 2, 3, 4, 5, 15, 16, 63, 64, 65, 66, 68, 100, 127, 128, 129, 130, 200, 1000)
+
+
+def _check_schedule(W, TN, TR, page, N):
+    from qattn.layouts import read_sources
+
+    for kv_len in LENGTHS + (3 * page + 5, N + W - 1, N + W, N + W + 1):
+        for num_splits in (1, 2, 3, 7, 40):
+            seen, kinds = _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N)
+            assert sorted(seen) == list(range(kv_len))
+            sink, pages, ring = read_sources(kv_len, W, N)  # the references' rule
+            for p, (_, src) in seen.items():
+                if p in sink:
+                    assert src == ("sink", p)
+                elif p in ring:
+                    assert src == ("ring", p % W)
+                else:
+                    assert p in pages and src == ("page", p // page, p % page)
+            # every bf16 (sink / ring) tile follows every page tile: one Q-type switch and one V-global-scale
+            # fold per CTA, at its first bf16 tile; the sink tile comes right before the ring tiles
+            order = [k for _, k in kinds]
+            first_bf16 = next((i for i, k in enumerate(order) if k != "page"), len(order))
+            assert all(k == "page" for k in order[:first_bf16]) and "page" not in order[first_bf16:]
+            if "sink" in order:
+                assert order.count("sink") == 1 and order[first_bf16] == "sink"
 
 
 @pytest.mark.parametrize("W", [0, 16, 64, 100, 128])
 @pytest.mark.parametrize("TN,TR", [(64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("page", [16, 64, 128, 256])
 def test_tile_schedule_covers_each_position_once_from_the_reference_source(W, TN, TR, page):
-    for kv_len in (0, 1, 2, 15, 16, 63, 64, 65, 100, 127, 128, 129, 200, 3 * page + 5, 1000):
-        for num_splits in (1, 2, 3, 7, 40):
-            seen = _emulate_schedule(kv_len, W, TN, TR, page, num_splits)
-            assert sorted(seen) == list(range(kv_len))
-            for p, (_, src) in seen.items():
-                # flatten_kv_reference: positions [len - W, len) from ring[slot, :, p % W], older from pages
-                if W and p >= kv_len - W:
-                    assert src == ("ring", p % W)
-                else:
-                    assert src == ("page", p // page, p % page)
-            # ring tiles come last: once a split holds ring tokens, every later split holds only ring tokens
-            ring_splits = [s for s, src in seen.values() if src[0] == "ring"]
-            if ring_splits:
-                assert all(s <= min(ring_splits) for s, src in seen.values() if src[0] == "page")
+    _check_schedule(W, TN, TR, page, 0)
+
+
+@pytest.mark.parametrize("N", [1, 4, 16, 64])
+@pytest.mark.parametrize("W", [0, 16, 64, 100])
+@pytest.mark.parametrize("TN,TR", [(64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("page", [16, 64, 256])
+def test_sink_tile_schedule_reads_each_position_once_from_the_reference_source(N, W, TN, TR, page):
+    _check_schedule(W, TN, TR, page, N)

@@ -91,6 +91,25 @@ def test_ring_variants_compile(in_bf16, ring_bf16, arch):
         assert ptx_count(ptx, r"cvt\.rn\.(bf16|f16)x2\.f32") >= 16
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ring,sink_tokens,in_bf16,ring_bf16", [(False, 1, True, True), (True, 4, True, True),
+                                                                (True, 4, False, True), (False, 64, True, False)])
+def test_sink_variants_compile(ring, sink_tokens, in_bf16, ring_bf16, arch):
+    """Sink caches store the unquantized row of positions < N once more (K and V, 4 x 16 bytes each), from the
+    same converted registers as the ring row; N is compile time (in the key)."""
+    from qattn.cute_kernels import compile_utils, kv_insert
+    from qattn.cute_kernels.compile_utils import ptx_count
+
+    cfg, args = kv_insert.make_insert_compile_args(_f(("nvfp4", None)), _f(("int8", None)), 128, in_bf16, ring,
+                                                   ring_bf16, sink_tokens=sink_tokens)
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    _common(ptx, arch)
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 8 * (1 + int(ring)) + 1 + 2
+    assert cfg.key != kv_insert.KVInsert("nvfp4", "int8", 128, in_bf16, ring, ring_bf16).key
+    assert cfg.key != kv_insert.KVInsert("nvfp4", "int8", 128, in_bf16, ring, ring_bf16,
+                                         sink_tokens=sink_tokens + 1).key
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 256])
 def test_other_head_dims(head_dim):
     for spec in (("nvfp4", None), ("fp8", None), ("mxfp4", "floor"), ("bf16", None)):

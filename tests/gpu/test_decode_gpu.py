@@ -8,7 +8,9 @@ padded with -1; ring slots are a permutation of batch rows (seq_slots != arange)
 
 The matrix: every format (and two K/V pairs) x head_dim 64/128 runs CONFIGS, which cover GQA 1/4/8/16, seqlen_q
 1/4/16 (up to 256 query rows: two m-blocks), page sizes 16/64/128, split-KV on (fixed and automatic) and off and
-recent window 0/64, on lengths with partial last pages and lengths below / around the window.
+recent window 0/64, on lengths with partial last pages and lengths below / around the window. Attention-sink
+caches (``sink_tokens`` 1 / 4 / 64, with and without a window) run every format with lengths below / at / above N
+and N + W, and their page rows of the sink positions are poisoned after the write.
 
 Run as a script for a quick timing: ``python tests/gpu/test_decode_gpu.py --bench``.
 """
@@ -43,7 +45,8 @@ CONFIGS = [
 
 def _poison(cache, layer=0):
     lay = cache.layer(layer)
-    for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring):
+    for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring, lay.k_sink,
+              lay.v_sink):
         if t is None:
             continue
         if t.dtype in (torch.bfloat16, torch.float32, torch.float16):
@@ -59,9 +62,9 @@ def _device():
 
 
 def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=torch.bfloat16, seed=0, dev=None,
-              window=0, cache_dtype=torch.bfloat16):
-    """A filled cache, q, lengths, block table and (window > 0) seq_slots: batch row b uses ring slot
-    ``max_seqs - 1 - b`` of ``max_seqs = B + 2`` slots, so row and slot differ."""
+              window=0, cache_dtype=torch.bfloat16, sink=0):
+    """A filled cache, q, lengths, block table and (window > 0 or sink > 0) seq_slots: batch row b uses ring /
+    sink slot ``max_seqs - 1 - b`` of ``max_seqs = B + 2`` slots, so row and slot differ."""
     from qattn import PagedKVCache, write_kv_reference
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -73,7 +76,7 @@ def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=
     max_seqs = B + 2
     seq_slots = torch.tensor([max_seqs - 1 - b for b in range(B)], dtype=torch.int32)
     cache = PagedKVCache(1, num_blocks, page, num_kv_heads, head_dim, fmt, device=dev, dtype=cache_dtype,
-                         recent_window=window, max_seqs=max_seqs if window else 0)
+                         recent_window=window, sink_tokens=sink, max_seqs=max_seqs if (window or sink) else 0)
     _poison(cache)
     lay = cache.layer(0)
     for gs in (lay.k_global_scale, lay.v_global_scale):
@@ -96,13 +99,14 @@ def make_case(fmt, head_dim, gqa, seqlen_q, page, lens, num_kv_heads=2, q_dtype=
         ks.append(k)
         vs.append(torch.randn(n, num_kv_heads, head_dim, generator=g))
     ring_kw = {}
-    if window:  # every token goes to its page and to ring[slot, :, pos % W] (the newest position stays)
+    if window or sink:  # every token goes to its page, to ring[slot, :, pos % W] (the newest position stays)
+        # and, below position `sink`, to sink[slot, :, pos]
         ring_kw = dict(seq_slots=torch.cat(tok_seqs).to(dev), positions=torch.cat(tok_pos).to(dev))
     write_kv_reference(cache, 0, torch.cat(ks).to(dev), torch.cat(vs).to(dev),
                        torch.cat(slots).to(dev), **ring_kw)
     q = torch.randn(B, seqlen_q, num_kv_heads * gqa, head_dim, generator=g).to(dev, q_dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-    if window:
+    if window or sink:
         return cache, q, lens_t, table.to(dev), seq_slots.to(dev)
     return cache, q, lens_t, table.to(dev)
 
@@ -119,15 +123,34 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
     return float(err)
 
 
+def _poison_sink_pages(cache, table, lens):
+    """NaN / 0x7F the *page* rows of positions < sink_tokens after the write: decode reads those positions from
+    the sink buffer only, so the page tiles must mask them (scores and V values)."""
+    lay, P, N = cache.layer(0), cache.page_size, cache.sink_tokens
+    for b, n in enumerate(lens):
+        for p in range(min(n, N)):
+            blk = int(table[b, p // P])
+            for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool):
+                if t is None:
+                    continue
+                if t.dtype in (torch.bfloat16, torch.float32, torch.float16):
+                    t[blk, :, p % P] = float("nan")
+                else:
+                    t[blk, :, p % P] = 0x7F if t.dtype == torch.uint8 else 127
+
+
 def _run(fmt, D, gqa, sq, page, splits, causal=True, q_dtype=torch.bfloat16, lens=None, window=0,
-         cache_dtype=torch.bfloat16):
+         cache_dtype=torch.bfloat16, sink=0):
     from qattn.interface.decode import flash_attn_with_kvcache
     from qattn.reference import paged_decode_reference
 
     lens = lens or ([3 * page + 5, 2, 129, 64] if window else [3 * page + 5, 2, 129])
-    case = make_case(fmt, D, gqa, sq, page, lens, q_dtype=q_dtype, window=window, cache_dtype=cache_dtype)
+    case = make_case(fmt, D, gqa, sq, page, lens, q_dtype=q_dtype, window=window, cache_dtype=cache_dtype,
+                     sink=sink)
     cache, q, seqlens, table = case[:4]
-    seq_slots = case[4] if window else None
+    seq_slots = case[4] if (window or sink) else None
+    if sink:
+        _poison_sink_pages(cache, table.cpu(), lens)
     out = torch.full_like(q, float("nan"))
     got, lse = flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=seq_slots, causal=causal,
                                        num_splits=splits, return_lse=True, out=out)
@@ -184,6 +207,51 @@ def test_decode_ring_with_eight_warps(monkeypatch):
         tuning_from_env.cache_clear()
 
 
+# (format, window, cache dtype, q dtype): every format, with and without a ring, both cache dtypes
+SINK_FORMATS = [
+    ("nvfp4", 64, torch.bfloat16, torch.bfloat16),
+    ("nvfp4", 0, torch.bfloat16, torch.bfloat16),
+    ("mxfp4", 64, torch.bfloat16, torch.bfloat16),
+    ("fp8", 0, torch.float16, torch.bfloat16),
+    ("int8", 64, torch.bfloat16, torch.float16),
+    ("bf16", 64, torch.bfloat16, torch.bfloat16),
+    (("int8", "nvfp4"), 64, torch.float16, torch.float16),
+    ("mxfp4_b16", 0, torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("sink", [1, 4])
+@pytest.mark.parametrize("case", SINK_FORMATS, ids=lambda c: f"{c[0] if isinstance(c[0], str) else '+'.join(c[0])}"
+                         f"-w{c[1]}-{str(c[2])[6:]}-q{str(c[3])[6:]}")
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_decode_sink_matches_reference(case, sink, splits):
+    """Attention-sink caches: lengths below / at / above N and N + W (and long ones), split on (fixed, automatic)
+    and off, causal and not, GQA 4 and 8 with seqlen_q 1 and 3; the page rows of the sink positions are poisoned
+    after the write (decode must read those positions from the sink buffer alone)."""
+    fmt, window, cache_dtype, q_dtype = case
+    lens = sorted(n for n in {sink - 1, sink, sink + 1, sink + window - 1, sink + window, sink + window + 1,
+                              sink + 2 * window + 3, 300} if n >= 1)
+    _run(fmt, 128, 4, 1, 16, splits, q_dtype=q_dtype, lens=lens, window=window, cache_dtype=cache_dtype, sink=sink)
+    _run(fmt, 64, 8, 3, 64, splits, causal=False, q_dtype=q_dtype, lens=lens, window=window,
+         cache_dtype=cache_dtype, sink=sink)
+
+
+def test_decode_sink_whole_tile_and_eight_warps(monkeypatch):
+    """N = 64 (the whole sink tile; page tiles start at 64: the second 64-token tile or mid 128-token tile), two
+    m-blocks, and 8 warps (128-token sink / ring tiles)."""
+    from qattn.cute_kernels.sm90.decode_config import tuning_from_env
+
+    _run("nvfp4", 128, 16, 16, 16, 3, lens=[1, 63, 64, 65, 128, 129, 400], window=64, sink=64)
+    _run(("nvfp4", "bf16"), 64, 4, 1, 64, 1, lens=[5, 64, 65, 200], sink=64)
+    monkeypatch.setenv("QATTN_DECODE_WARPS", "8")
+    tuning_from_env.cache_clear()
+    try:
+        _run("nvfp4", 128, 4, 1, 16, 3, window=128, sink=4, lens=[1, 4, 5, 131, 132, 133, 500])
+    finally:
+        monkeypatch.delenv("QATTN_DECODE_WARPS")
+        tuning_from_env.cache_clear()
+
+
 def test_decode_two_m_blocks_partial():
     """144 and 208 rows: the second m-block is partly padding."""
     _run("nvfp4", 128, 16, 9, 16, 1)
@@ -224,6 +292,10 @@ def test_decode_rejects_bad_args():
         flash_attn_with_kvcache(rq, rcache, rlens, rtable, seq_slots=slots[:1])
     with pytest.raises(ValueError, match="seq_slots"):
         flash_attn_with_kvcache(rq, rcache, rlens, rtable, seq_slots=slots.cpu())
+
+    scache, sq_, slens, stable, sslots = make_case("nvfp4", 64, 4, 1, 16, [20, 3], sink=1)
+    with pytest.raises(ValueError, match="seq_slots: the cache keeps the first 1 tokens"):  # sink cache, no slots
+        flash_attn_with_kvcache(sq_, scache, slens, stable)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """GPU tests: ``qattn.write_kv`` (the fused insert kernel) and ``qattn.flatten_kv`` against the references.
 
-Every pool (payload, scales, ring) is poisoned with random bytes first; the same poisoned cache is copied to
+Every pool (payload, scales, ring, sink) is poisoned with random bytes first; the same poisoned cache is copied to
 the CPU and updated there by ``write_kv_reference``; then *every byte* of every pool must be equal, so bytes
 the kernel must not touch (-1 slots, other slots, other ring entries) are checked too.
 
@@ -33,16 +33,17 @@ def _fmt(name, rule=None):
 def _tensors(cache):
     out = []
     for lay in cache._layers:
-        for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring):
+        for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring, lay.k_sink,
+                  lay.v_sink):
             if t is not None:
                 out.append(t)
     return out
 
 
 def _make_cache(kf, vf, head_dim, page, num_blocks, H, gen, *, window=0, max_seqs=0, dtype=torch.bfloat16,
-                rotate=False):
+                rotate=False, sink=0):
     cache = PagedKVCache(1, num_blocks, page, H, head_dim, (kf, vf), device="cuda:0", dtype=dtype,
-                         recent_window=window, max_seqs=max_seqs, rotate=rotate, rotation_seed=5)
+                         recent_window=window, max_seqs=max_seqs, rotate=rotate, rotation_seed=5, sink_tokens=sink)
     for t in _tensors(cache):  # poison
         b = t.view(torch.uint8)
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).cuda())
@@ -60,7 +61,7 @@ def _cpu_twin(cache):
         return None if t is None else t.cpu().clone()
 
     layer = KVLayer(c(lay.k_data), c(lay.v_data), c(lay.k_scale_pool), c(lay.v_scale_pool), c(lay.k_global_scale),
-                    c(lay.v_global_scale), c(lay.k_ring), c(lay.v_ring))
+                    c(lay.v_global_scale), c(lay.k_ring), c(lay.v_ring), c(lay.k_sink), c(lay.v_sink))
     return PagedKVCache.from_tensors([layer], cache.page_size, cache.head_dim, (cache.k_format, cache.v_format),
                                      cache.dtype, rotate=cache.rotate, rotation_seed=cache.rotation_seed or 0)
 
@@ -77,7 +78,7 @@ def _inputs(n, H, D, gen, dtype=torch.bfloat16):
 
 
 def _assert_same(cache, ref):
-    names = ["k_data", "v_data", "k_scale_pool", "v_scale_pool", "k_ring", "v_ring"]
+    names = ["k_data", "v_data", "k_scale_pool", "v_scale_pool", "k_ring", "v_ring", "k_sink", "v_sink"]
     lg, lr = cache.layer(0), ref.layer(0)
     for nm in names:
         g, r = getattr(lg, nm), getattr(lr, nm)
@@ -237,6 +238,86 @@ def test_check_mode_errors():
         qattn.write_kv(cache, 0, k, v, torch.arange(6, dtype=torch.int32).cuda(), seq_slots=seqs, positions=pos)
     with pytest.raises(ValueError, match="seq_slots"):
         qattn.write_kv(cache, 0, k, v, torch.arange(6).cuda())
+
+
+def _sink_batch(starts, lens, page, tables, ring_slot, pad=0):
+    """(slots, seq_slots, positions) of sequences i = chunks [starts[i], starts[i] + lens[i]), contiguous with
+    consecutive positions, then ``pad`` padding tokens (-1)."""
+    slots, seqs, pos = [], [], []
+    for i, (s, L) in enumerate(zip(starts, lens)):
+        p = torch.arange(s, s + L)
+        slots.append(tables[i][p // page] * page + p % page)
+        seqs.append(torch.full((L,), int(ring_slot[i])))
+        pos.append(p)
+    slots.append(torch.full((pad,), -1))
+    seqs.append(torch.zeros(pad, dtype=torch.long))
+    pos.append(torch.zeros(pad, dtype=torch.long))
+    return torch.cat(slots), torch.cat(seqs), torch.cat(pos)
+
+
+@pytest.mark.parametrize("sink", [1, 4])
+@pytest.mark.parametrize("window", [0, 64])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-{f[1]}")
+def test_write_sink(fmt, window, sink):
+    """Sink caches: prefill chunks that start below / at / above N (and one shorter than N), then decode steps
+    across N; every byte of pages, ring and sink equals the reference (the sink entries of other slots and of
+    positions >= N keep their poison)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((fmt, window, sink)).encode()))
+    f = _fmt(*fmt)
+    H, D, page = 2, 128, 16
+    starts = [0, 0, 2, sink, 100]
+    lens = [sink + 70, max(sink - 1, 1), 40, 3, 17]
+    tables = _seq_layout([s + L + 4 for s, L in zip(starts, lens)], page, 200, gen)
+    cache = _make_cache(f, f, D, page, 200, H, gen, window=window, max_seqs=8, sink=sink)
+    ring_slot = torch.randperm(8, generator=gen)
+    slots, seqs, pos = _sink_batch(starts, lens, page, tables, ring_slot, pad=5)
+    k, v = _inputs(slots.numel(), H, D, gen)
+    _write_both(cache, k, v, slots.cuda(), seqs.cuda(), pos.cuda(), check=True)
+    # decode steps: one token per sequence, in a shuffled batch order, without check
+    for step in range(3):
+        order = torch.randperm(len(lens), generator=gen)
+        nxt = [starts[i] + lens[i] + step for i in order.tolist()]
+        slots = torch.stack([tables[i][p // page] * page + p % page for i, p in zip(order.tolist(), nxt)])
+        k, v = _inputs(len(lens), H, D, gen)
+        _write_both(cache, k, v, slots.cuda(), ring_slot[order].cuda(), torch.tensor(nxt).cuda())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_sink_with_transforms(dtype):
+    """The sink receives the transformed rows (RoPE, smoothing, rotation), fp16 input into a bf16 cache and
+    vice versa, mixed formats."""
+    gen = torch.Generator().manual_seed(23)
+    H, D, page, W, N = 2, 128, 16, 16, 4
+    starts, lens = [0, 1, 7], [30, 2, 20]
+    tables = _seq_layout([s + L for s, L in zip(starts, lens)], page, 64, gen)
+    cache = _make_cache(_fmt("int8"), _fmt("nvfp4"), D, page, 64, H, gen, window=W, max_seqs=4, rotate=True,
+                        dtype=torch.bfloat16 if dtype == torch.float16 else torch.float16, sink=N)
+    slots, seqs, pos = _sink_batch(starts, lens, page, tables, [3, 0, 1])
+    k, v = _inputs(slots.numel(), H, D, gen, dtype)
+    rope = qattn.RoPE.from_theta(10000.0, D, 512, "neox", device="cuda")
+    k_mean = (torch.randn(H, D, generator=gen) * 3).cuda()
+    _write_both(cache, k, v, slots.cuda(), seqs.cuda(), pos.cuda(), check=True, rope=rope, k_mean=k_mean)
+
+
+def test_sink_check_mode_and_out_of_range_values():
+    gen = torch.Generator().manual_seed(29)
+    cache = _make_cache(_fmt("nvfp4"), _fmt("nvfp4"), 64, 16, 8, 2, gen, max_seqs=2, sink=2)
+    k, v = _inputs(4, 2, 64, gen)
+    with pytest.raises(ValueError, match="seq_slots.*sink_tokens=2"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(4).cuda())
+    with pytest.raises(ValueError, match="twice"):  # two tokens on one sink entry would race
+        qattn.write_kv(cache, 0, k, v, torch.arange(4).cuda(), seq_slots=torch.zeros(4, dtype=torch.long).cuda(),
+                       positions=torch.tensor([0, 1, 1, 3]).cuda(), check=True)
+    with pytest.raises(ValueError, match="seq_slots"):
+        qattn.write_kv(cache, 0, k, v, torch.arange(4).cuda(), seq_slots=torch.tensor([0, 0, 2, 0]).cuda(),
+                       positions=torch.arange(4).cuda(), check=True)
+    # without check, a seq_slot or position outside the sink writes no sink row (and nothing out of bounds)
+    lay = cache.layer(0)
+    before = (lay.k_sink.clone(), lay.v_sink.clone())
+    qattn.write_kv(cache, 0, k, v, torch.arange(4).cuda(), seq_slots=torch.tensor([2, -1, 0, 0]).cuda(),
+                   positions=torch.tensor([0, 1, -1, 5]).cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(lay.k_sink, before[0]) and torch.equal(lay.v_sink, before[1])
 
 
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("mxfp4", "fp8"), ("int8", "bf16"), ("mxfp4_b16", "int8")])

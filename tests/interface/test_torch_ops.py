@@ -93,6 +93,64 @@ def test_ring_decode_step_traces_with_seq_slots():
     assert sum(1 for a in args if isinstance(a, torch.fx.Node)) >= 9 + 3  # q, pools, scales, lens, table + rings, slots
 
 
+def test_sink_decode_step_traces_with_seq_slots():
+    """A cache with sink tokens (and a window): one graph; the sink buffers reach both ops."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    for window in (0, 32):
+        cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4", recent_window=window, sink_tokens=2, max_seqs=4)
+        q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 64, dtype=torch.bfloat16)
+        slots, pos = torch.tensor([1, 40]), torch.tensor([1, 8])
+        tok_seqs = torch.tensor([2, 0])
+        seqs = tok_seqs.to(torch.int32)
+        lens = torch.tensor([2, 9], dtype=torch.int32)
+        table = torch.tensor([[0, 1, 2], [2, 4, 5]], dtype=torch.int32)
+
+        def step(q, k, v, slots, tok_seqs, pos, seqs, lens, table):
+            qattn.write_kv(cache, 0, k, v, slots, seq_slots=tok_seqs, positions=pos)
+            return qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs)
+
+        graphs.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend=record)
+        compiled(q, k, k.clone(), slots, tok_seqs, pos, seqs, lens, table)
+        assert len(graphs) == 1
+        ops = [n for n in graphs[0].graph.nodes if n.op == "call_function"
+               and ("qattn.paged_decode" in str(n.target) or "qattn.write_kv" in str(n.target))]
+        assert len(ops) == 2
+        for n in ops:  # the two sink buffers are graph inputs of both ops
+            args = list(n.args) + list(n.kwargs.values())
+            names = {a.name for a in args if isinstance(a, torch.fx.Node)}
+            assert sum("sink" in nm for nm in names) == 2, names
+
+
+def test_fake_shapes_with_sink():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 1, 8, 128, dtype=torch.bfloat16)
+        pools = [torch.empty(4, 2, 16, 64, dtype=torch.uint8) for _ in range(2)]
+        scales = [torch.empty(4, 2, 16, 8, dtype=torch.uint8) for _ in range(2)]
+        gs = [torch.empty(2) for _ in range(2)]
+        sinks = [torch.empty(5, 2, 1, 128, dtype=torch.bfloat16) for _ in range(2)]
+        out, lse = torch.ops.qattn.paged_decode(q, pools[0], pools[1], scales[0], scales[1], gs[0], gs[1],
+                                                torch.empty(3, dtype=torch.int32), torch.empty(3, 5, dtype=torch.int32),
+                                                "nvfp4", "nvfp4", 16, 0.125, True, 0, None, None,
+                                                torch.empty(3, dtype=torch.int32), sinks[0], sinks[1])
+        assert out.shape == q.shape and lse.shape == (3, 8, 1)
+        torch.ops.qattn.write_kv(torch.empty(2, 2, 128, dtype=torch.bfloat16),
+                                 torch.empty(2, 2, 128, dtype=torch.bfloat16), torch.empty(2, dtype=torch.int64),
+                                 pools[0], pools[1], scales[0], scales[1], gs[0], gs[1], None, None,
+                                 torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64),
+                                 "nvfp4", "nvfp4", 16, k_sink=sinks[0], v_sink=sinks[1])
+
+
 def test_fake_shapes_with_ring():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -120,7 +178,7 @@ def test_seq_slots_validation_on_host():
     _check_seq_slots(plain, None, 2, dev)
     with pytest.raises(ValueError, match="seq_slots: the cache keeps"):
         _check_seq_slots(ring, None, 2, dev)
-    with pytest.raises(ValueError, match="seq_slots: the cache has no recent-token window"):
+    with pytest.raises(ValueError, match="seq_slots: the cache has no recent-token window and no sink"):
         _check_seq_slots(plain, ok, 2, dev)
     with pytest.raises(TypeError, match="seq_slots"):
         _check_seq_slots(ring, ok.long(), 2, dev)
@@ -130,6 +188,10 @@ def test_seq_slots_validation_on_host():
         _check_seq_slots(ring, torch.zeros(4, dtype=torch.int32)[::2], 2, dev)
     with pytest.raises(TypeError, match="seq_slots"):
         _check_seq_slots(ring, [2, 0], 2, dev)
+    sink = qattn.PagedKVCache(1, 4, 16, 2, 64, "nvfp4", sink_tokens=1, max_seqs=3)
+    _check_seq_slots(sink, ok, 2, dev)
+    with pytest.raises(ValueError, match="seq_slots: the cache keeps the first 1 tokens"):
+        _check_seq_slots(sink, None, 2, dev)
 
 
 def test_transformed_step_traces_without_breaks():

@@ -35,3 +35,6 @@ def test_sm100_config_limits():
     with pytest.raises(ValueError, match="ring"):
         sm100_config_for(PagedKVCache(1, 8, 16, 2, 128, "nvfp4", recent_window=64, max_seqs=2), "bf16", 4, 1,
                          True, False)
+    with pytest.raises(ValueError, match="sink"):
+        sm100_config_for(PagedKVCache(1, 8, 16, 2, 128, "nvfp4", sink_tokens=1, max_seqs=2), "bf16", 4, 1,
+                         True, False)

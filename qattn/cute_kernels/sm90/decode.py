@@ -44,6 +44,14 @@ Data path (no flatten-to-bf16 pass anywhere):
   path with their own MMA type; the page-only scales stay out of them: the K global scale is folded into the
   page tiles' softmax scale only, and the V global scale, applied at the end for page-only CTAs, is instead
   multiplied into the accumulator at a CTA's first ring tile (and the epilogue then applies none).
+* Attention sink (``cfg.sink_tokens`` = N > 0): positions [0, min(len, N)) are read from
+  ``sink[seq_slots[b], h, p]`` (bf16 / f16 rows, as ``flatten_kv_reference`` overlays them) in one sink tile
+  (``sink_tile_n`` >= N tokens, the ring tile's stage buffers and code path), and the page tiles cover
+  positions [N, page_end) only (page_end = max(N, len - W), or len without a ring): they start at the
+  ``tile_n``-aligned tile holding N and mask positions below N. The tile list is "page tiles, sink tile, ring
+  tiles": every bf16 tile comes after every page tile, so the Q reload and the V-global-scale fold above happen
+  once per CTA at its first bf16 tile, exactly as with the ring alone (the sink tile, in the split before the
+  ring tiles, is one more such tile).
 
 Known limits (documented, checked by the launcher where they matter):
 * rows = seqlen_q * group <= 256; head_dim 64 / 128.
@@ -216,6 +224,7 @@ class DecodeSm90:
         k/v data   (num_blocks, H, page, row_elems), k/v scales (num_blocks, H, page[, nscales]), global (H,) fp32
         block_table (B, max_blocks) int32, cache_seqlens (B,) int32
         k/v ring   (max_seqs, H, W, D) bf16 / f16, seq_slots (B,) int32     (ring variants only; else unused)
+        k/v sink   (max_seqs, H, N, D) bf16 / f16, indexed by seq_slots     (sink variants only; else unused)
         out        (B, Sq, Hq, D) q dtype        | split: out_partial (num_splits, B, Sq, Hq, D) fp32
         lse        (B, Hq, Sq) fp32              | split: lse_partial (num_splits, B, Hq, Sq) fp32
     """
@@ -229,11 +238,14 @@ class DecodeSm90:
         self.out_dtype = cutlass.BFloat16 if self.q_bf16 else cutlass.Float16
         self.T = cfg.num_threads
         self.ring = cfg.ring_window > 0
-        # ring rows are plain 16-bit rows: the "bf16" code path, with the ring's own MMA type
+        self.sink = cfg.sink_tokens > 0
+        self.unquantized = self.ring or self.sink  # any bf16 / f16 tiles (ring or sink) after the page tiles
+        # ring and sink rows are plain 16-bit rows: the "bf16" code path, with the cache dtype's own MMA type
         self.r = FmtInfo(kv_format("bf16"), self.D)
         self.r.bf16 = cfg.ring_dtype == "bf16"
         # smem: raw stage buffers (Uint32 vectors of 16 B) + the epilogue's merge buffers. Page buffers
-        # (kd, ks, vd, vs) and ring buffers (rkd, rvd) are a union within a stage: a stage holds one tile.
+        # (kd, ks, vd, vs) and ring buffers (rkd, rvd; the sink tile's too) are a union within a stage: a stage
+        # holds one tile.
         self.vec, self.vec_off = {}, {}
         off = 0
         for name, rb in (("kd", self.k.rb), ("ks", self.k.srb), ("vd", self.v.rb), ("vs", self.v.srb)):
@@ -241,7 +253,7 @@ class DecodeSm90:
             self.vec_off[name] = off
             off += self.vec[name]
         page_vecs, off = off, 0
-        if self.ring:
+        if self.unquantized:
             for name in ("rkd", "rvd"):
                 self.vec[name] = cfg.ring_tile_n * self.r.rb // 16
                 self.vec_off[name] = off
@@ -258,14 +270,14 @@ class DecodeSm90:
         q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
         vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
-        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64,
+        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64, sk_addr: Int64, sv_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
         num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
         stream: cuda.CUstream,
     ):
         self.kernel(q_addr, kd_addr, ks_addr, kg_addr, vd_addr, vs_addr, vg_addr, bt_addr, sl_addr, o_addr,
-                    lse_addr, rk_addr, rv_addr, ss_addr, batch, seqlen_q, num_kv_heads, max_blocks, num_blocks,
-                    num_splits, max_seqs, scale_log2).launch(
+                    lse_addr, rk_addr, rv_addr, ss_addr, sk_addr, sv_addr, batch, seqlen_q, num_kv_heads,
+                    max_blocks, num_blocks, num_splits, max_seqs, scale_log2).launch(
                         grid=(num_splits, num_kv_heads * self.cfg.m_blocks, batch), block=(self.T, 1, 1),
                         smem=self.smem_bytes, stream=stream)
 
@@ -276,13 +288,13 @@ class DecodeSm90:
         q_addr: Int64, kd_addr: Int64, ks_addr: Int64, kg_addr: Int64,
         vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
-        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64,
+        rk_addr: Int64, rv_addr: Int64, ss_addr: Int64, sk_addr: Int64, sv_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
         num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
     ):
         cfg = self.cfg
         D, G, MT, TG, TN = self.D, cfg.group, cfg.row_tiles, cfg.token_groups, cfg.tile_n
-        TR, W = cfg.ring_tile_n, cfg.ring_window
+        TR, W, N = cfg.ring_tile_n, cfg.ring_window, cfg.sink_tokens
         tidx, _, _ = cute.arch.thread_idx()
         split, hm, b = cute.arch.block_idx()
         h = hm // cfg.m_blocks
@@ -337,16 +349,29 @@ class DecodeSm90:
                 views[name + "_f"] = cute.make_tensor(cute.recast_ptr(base_ptr, dtype=Float32),
                                                       cute.make_layout((4 * n, S), stride=(1, 4 * st)))
 
-        # ---- this split's tiles: page tiles [0, n_page) cover positions [0, page_len); with a ring, ring tiles
-        # [n_page, n_tiles) cover [page_len, kv_len), TR tokens each ------------------------------------------
+        # ---- this split's tiles: page tiles [0, n_page) cover positions [N, page_len) (N = sink tokens, 0 without
+        # a sink; list entry i is the TN-aligned tile first_pt + i); with a sink, tile n_page is the sink tile
+        # (positions [0, min(kv_len, N))); with a ring, ring tiles [n_page + n_sink, n_tiles) cover
+        # [page_len, kv_len), TR tokens each (qattn.layouts.paged.read_sources) ------------------------------
         page_len = kv_len
         n_tiles = (kv_len + (TN - 1)) // TN
         n_page = n_tiles
+        first_pt = N // TN  # the aligned page tile that holds position N (0 without a sink)
+        n_sink = Int32(0)
+        sink_len = Int32(0)
         slot = Int32(0)
-        if cutlass.const_expr(self.ring):
-            page_len = _sel(kv_len > W, kv_len - W, 0, Int32)
-            n_page = (page_len + (TN - 1)) // TN
-            n_tiles = n_page + (kv_len - page_len + (TR - 1)) // TR
+        if cutlass.const_expr(self.unquantized):
+            if cutlass.const_expr(self.ring):
+                page_len = _sel(kv_len > W, kv_len - W, 0, Int32)
+            if cutlass.const_expr(self.sink):
+                page_len = _sel(page_len > N, page_len, N, Int32)  # may exceed kv_len: then no page tile
+                sink_len = _sel(kv_len < N, kv_len, N, Int32)
+                n_sink = _sel(kv_len > 0, 1, 0, Int32)
+            n_page = _sel(page_len > N, (page_len + (TN - 1)) // TN - first_pt, 0, Int32)
+            n_ring = Int32(0)
+            if cutlass.const_expr(self.ring):
+                n_ring = _sel(kv_len > page_len, (kv_len - page_len + (TR - 1)) // TR, 0, Int32)
+            n_tiles = n_page + n_sink + n_ring
             mSS = cute.make_tensor(cute.make_ptr(Int32, ss_addr, gmem, assumed_align=4), cute.make_layout(batch))
             slot = mSS[b]  # clamped into the ring (memory safety; the launcher cannot read device values)
             slot = _sel(slot < max_seqs, slot, max_seqs - 1, Int32)
@@ -367,11 +392,11 @@ class DecodeSm90:
             mVG = cute.make_tensor(cute.make_ptr(Float32, vg_addr, gmem, assumed_align=4),
                                    cute.make_layout(num_kv_heads))
             vg = mVG[h]
-        # ring tiles are not scaled by vg: a CTA that reaches one multiplies its accumulator by vg there
-        # (first_ring: its first ring tile), and its epilogue scales by 1
+        # bf16 (sink / ring) tiles are not scaled by vg: a CTA that reaches one multiplies its accumulator by vg
+        # there (first_ring: its first bf16 tile; all of them follow the page tiles), and its epilogue scales by 1
         first_ring = _sel(t_begin > n_page, t_begin, n_page, Int32)
         vg_out = vg
-        if cutlass.const_expr(self.ring and self.v.has_global):
+        if cutlass.const_expr(self.unquantized and self.v.has_global):
             vg_out = _sel(t_end > n_page, Float32(1.0), vg, Float32)
 
         # ---- Q fragments (once): A operand of QK^T, in the dim permutation the K fragments use ----------
@@ -379,6 +404,7 @@ class DecodeSm90:
         rQ = cute.make_rmem_tensor((4 * nk,), Uint32)
         lims = []
         lims_page = []
+        lims_sink = []
         for hr in cutlass.range_constexpr(2):
             r = row0 + mt * 16 + g + 8 * hr
             i_q = r // G
@@ -389,6 +415,7 @@ class DecodeSm90:
             lim = _sel(lim < kv_len - 1, lim, kv_len - 1, Int32)  # padding rows: never past the end
             lims.append(lim)
             lims_page.append(_sel(lim < page_len - 1, lim, page_len - 1, Int32))  # ring positions: not from pages
+            lims_sink.append(_sel(lim < sink_len - 1, lim, sink_len - 1, Int32))  # the sink tile: [0, sink_len)
         self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16)
 
         # ---- running softmax state ------------------------------------------------------------------------
@@ -406,10 +433,18 @@ class DecodeSm90:
         # (classic cp.async double buffering: the copy of the next tile overlaps the math of this one)
         for it in cutlass.range(n_my + 1, unroll=1):
             if it < n_my:
-                if cutlass.const_expr(self.ring):
+                if cutlass.const_expr(self.unquantized):
                     if t_begin + it < n_page:
-                        self._load_tile(bufs, t_begin + it, it % S, page_len, b, h, tidx, mBT, max_blocks,
-                                        num_blocks, num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+                        self._load_tile(bufs, first_pt + t_begin + it, it % S, page_len, b, h, tidx, mBT,
+                                        max_blocks, num_blocks, num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+                    elif cutlass.const_expr(self.sink and self.ring):
+                        if t_begin + it == n_page:
+                            self._load_sink_tile(bufs, it % S, slot, h, tidx, num_kv_heads, sk_addr, sv_addr)
+                        else:
+                            self._load_ring_tile(bufs, t_begin + it - n_page - n_sink, it % S, page_len, slot, h,
+                                                 tidx, num_kv_heads, rk_addr, rv_addr)
+                    elif cutlass.const_expr(self.sink):
+                        self._load_sink_tile(bufs, it % S, slot, h, tidx, num_kv_heads, sk_addr, sv_addr)
                     else:
                         self._load_ring_tile(bufs, t_begin + it - n_page, it % S, page_len, slot, h, tidx,
                                              num_kv_heads, rk_addr, rv_addr)
@@ -421,10 +456,11 @@ class DecodeSm90:
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it-1 have landed ...
                 cute.arch.sync_threads()  # ... and everyone else's
                 tile = t_begin + it - 1
-                if cutlass.const_expr(self.ring):
+                if cutlass.const_expr(self.unquantized):
                     if tile < n_page:
-                        self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S, tile * TN,
-                                           page_len, lims_page, g, q4, tg, rQ, rO, rM, rL, sl2, None)
+                        self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S,
+                                           (first_pt + tile) * TN, page_len, lims_page, g, q4, tg, rQ, rO, rM, rL,
+                                           sl2, None, N if self.sink else None)
                     else:
                         if cutlass.const_expr(self.r.bf16 != self.k.bf16):
                             if tile == first_ring:  # Q in the ring tiles' MMA type from here on
@@ -433,12 +469,26 @@ class DecodeSm90:
                         o_scale = None
                         if cutlass.const_expr(self.v.has_global):
                             o_scale = _sel(tile == first_ring, vg, Float32(1.0), Float32)
-                        self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
-                                           page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
-                                           rM, rL, scale_log2, o_scale)
+                        if cutlass.const_expr(self.sink and self.ring):
+                            if tile == n_page:
+                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S, Int32(0),
+                                                   sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
+                                                   o_scale, None)
+                            else:
+                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
+                                                   page_len + (tile - n_page - n_sink) * TR, kv_len, lims, g, q4,
+                                                   tg, rQ, rO, rM, rL, scale_log2, o_scale, None)
+                        elif cutlass.const_expr(self.sink):
+                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S, Int32(0),
+                                               sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
+                                               o_scale, None)
+                        else:
+                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
+                                               page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
+                                               rM, rL, scale_log2, o_scale, None)
                 else:
                     self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S, tile * TN, kv_len,
-                                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, None)
+                                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, None, None)
                 cute.arch.sync_threads()  # the stage may be overwritten by the next iteration's loads
         cute.arch.cp_async_wait_group(0)
 
@@ -589,6 +639,30 @@ class DecodeSm90:
                 src = cute.make_tensor(cute.make_ptr(Uint32, src_addr, gmem, assumed_align=16), cute.make_layout(4))
                 cute.copy(atom, src, bufs[name][None, v, stage])
 
+    def _load_sink_tile(self, bufs, stage, slot, h, tidx, num_kv_heads, sk_addr, sv_addr):
+        """Issue the cp.async copies of the sink tile (positions 0 .. sink_tile_n - 1) into ``stage``.
+
+        Token p < N lives at sink row (slot * H + h) * N + p: one contiguous run of N rows. Tile rows p >= N
+        re-read row N - 1 (in bounds); the math masks every position >= min(len, N).
+        """
+        N, rb = self.cfg.sink_tokens, self.r.rb
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint32,
+                                   num_bits_per_copy=128)
+        gmem = cute.AddressSpace.gmem
+        vpr = rb // 16  # vectors per token row
+        for name, addr in (("rkd", sk_addr), ("rvd", sv_addr)):
+            nv = self.vec[name]
+            for k in range((nv + self.T - 1) // self.T):
+                v = tidx + k * self.T
+                if (k + 1) * self.T > nv:  # ragged last round: duplicate the last vector
+                    v = _sel(v < nv, v, nv - 1, Int32)
+                p = v // vpr
+                p = _sel(p < N, p, N - 1, Int32)
+                row = (Int64(slot) * Int64(num_kv_heads) + Int64(h)) * Int64(N) + Int64(p)
+                src_addr = addr + row * Int64(rb) + Int64((v % vpr) * 16)
+                src = cute.make_tensor(cute.make_ptr(Uint32, src_addr, gmem, assumed_align=16), cute.make_layout(4))
+                cute.copy(atom, src, bufs[name][None, v, stage])
+
     # ---- dequantized row slices ------------------------------------------------------------------------
     def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn):
         """``ndims`` values of token ``tok`` (tile-local) starting at dim ``dim0_dyn`` (dynamic; multiple of 8
@@ -627,10 +701,11 @@ class DecodeSm90:
         return words
 
     def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
-                      lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale):
+                      lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
         """One warp's share of one tile of ``TN`` tokens at positions ``pos0 + t``: S = Q K^T, online softmax,
-        O += P V. Tokens at positions >= ``kv_len`` or past a row's ``lims`` are masked. ``o_scale`` (or None)
-        multiplies the accumulator before this tile's P V is added."""
+        O += P V. Tokens at positions >= ``kv_len`` or past a row's ``lims`` are masked, and so are positions
+        below ``pos_lo`` (a compile-time int: the sink tokens, which page tiles do not read; None: no lower
+        bound). ``o_scale`` (or None) multiplies the accumulator before this tile's P V is added."""
         D = self.D
         nk, nn = D // 16, D // 8
         neg_inf = Float32(-math.inf)
@@ -655,7 +730,10 @@ class DecodeSm90:
                     x = acc[e] * sl2
                     if cutlass.const_expr(kf.scale == "row"):
                         x = x * views["ks_f"][tok_e, stage]
-                    vals.append(_sel(pos0 + tok_e <= lims[e // 2], x, neg_inf, Float32))
+                    keep = pos0 + tok_e <= lims[e // 2]
+                    if cutlass.const_expr(pos_lo is not None):
+                        keep = keep & (pos0 + tok_e >= pos_lo)
+                    vals.append(_sel(keep, x, neg_inf, Float32))
                 Sc.append(vals)
             S.append(Sc)
 
@@ -689,11 +767,15 @@ class DecodeSm90:
         for c in range(nchunks):
             P = S[c]
             if cutlass.const_expr(vf.scale == "row"):
-                # per-token V scale multiplies P (the reduction runs over tokens); sanitized past the end
+                # per-token V scale multiplies P (the reduction runs over tokens); sanitized outside the tile's
+                # positions (past the end, and below pos_lo: 0 * NaN would be NaN)
                 for nt in range(2):
                     for e in range(4):
                         tok_e = t_base + 16 * c + 8 * nt + 2 * q4 + (e % 2)
-                        vs = _sel(pos0 + tok_e < kv_len, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                        vs_ok = pos0 + tok_e < kv_len
+                        if cutlass.const_expr(pos_lo is not None):
+                            vs_ok = vs_ok & (pos0 + tok_e >= pos_lo)
+                        vs = _sel(vs_ok, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
                         P[nt][e] = P[nt][e] * vs
             a = [pack_f32x2(P[0][0], P[0][1], vf.bf16), pack_f32x2(P[0][2], P[0][3], vf.bf16),
                  pack_f32x2(P[1][0], P[1][1], vf.bf16), pack_f32x2(P[1][2], P[1][3], vf.bf16)]
@@ -704,6 +786,8 @@ class DecodeSm90:
                 # bytes past the sequence end may be anything (NaN bf16, 0x7F E4M3 scales): P = 0 there,
                 # but 0 * NaN is NaN, so zero the values themselves.
                 ok = pos0 + tok < kv_len
+                if cutlass.const_expr(pos_lo is not None):
+                    ok = ok & (pos0 + tok >= pos_lo)
                 vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
             for i in range(D // 16):
                 lo01 = prmt(vw[0][i], vw[1][i], 0x5410)
@@ -719,7 +803,7 @@ class DecodeSm90:
 def decode_compile_args() -> list:
     """Placeholder arguments of :meth:`DecodeSm90.__call__` (zero addresses, unit sizes, a fake stream) to
     compile a variant without a GPU or any tensor."""
-    return [Int64(0)] * 14 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 16 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
 
 
 def decode_cache_key(arch: str, cfg: DecodeConfig) -> tuple:
@@ -740,10 +824,10 @@ def _format_pair(name: str):
 
 @register("decode")
 def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
-                     recent_windows=None, q_dtypes=None, **_):
+                     recent_windows=None, q_dtypes=None, sink_tokens=None, **_):
     """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
-    format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window and q dtype, causal,
-    with and without split-KV (the ring, when there is one, in the q dtype)."""
+    format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
+    dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
@@ -764,11 +848,11 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                     for sq in seqlen_q or [1]:
                         if sq * g > 256:
                             continue
-                        for w in recent_windows or [0]:
+                        for w, n in [(w, n) for w in recent_windows or [0] for n in sink_tokens or [0]]:
                             for qd in q_dtypes or ["bf16"]:
                                 for split in (False, True):
                                     cfg = choose_config(pair[0], pair[1], d, page, qd, g, sq, True, split,
-                                                        ring_window=w, ring_dtype=qd)
+                                                        ring_window=w, ring_dtype=qd, sink_tokens=n)
                                     key = decode_cache_key(arch, cfg)
                                     if key in seen:
                                         continue
@@ -776,6 +860,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                                     build = (lambda cfg=cfg: compile_for_arch(
                                         DecodeSm90(cfg), *decode_compile_args(), arch=arch, keep_ptx=False)[0])
                                     label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + (f" W{w}" if w else "")
+                                             + (f" N{n}" if n else "")
                                              + ("" if qd == "bf16" else f" {qd}") + (" split" if split else ""))
                                     out.append(Variant("decode", key, label, build))
     return out

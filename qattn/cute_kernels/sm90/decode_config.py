@@ -18,6 +18,11 @@ Work split (see ``decode.py`` for the why):
               ring, older ones from the pages. Ring tiles (``ring_tile_n`` tokens, one bf16 row per token) follow
               the page tiles in the tile list, so split-KV needs no special case: the ring tiles land in the last
               split(s). A ring tile's stage buffers share shared memory with a page tile's (a union per stage).
+    sink    = caches with ``sink_tokens`` N > 0: each sequence's first min(len, N) tokens come from the bf16 sink
+              buffer, in one sink tile (``sink_tile_n`` >= N tokens, the ring tile's buffers), and the page
+              tiles start at position N. Order: page tiles, the sink tile, ring tiles; so all the bf16 tiles
+              are at the end of the list (one switch of Q's MMA type and of the V global scale per CTA, as for
+              the ring alone) and, with split-KV, the sink tile is in the split just before the ring tiles.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
 
 def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
                   seqlen_q: int, causal: bool, split: bool, ring_window: int = 0,
-                  ring_dtype: str = "bf16") -> "DecodeConfig":
+                  ring_dtype: str = "bf16", sink_tokens: int = 0) -> "DecodeConfig":
     """The :class:`DecodeConfig` a decode call uses: the one place the launcher and ``qattn-warmup`` get it
     from, so a warmed variant has exactly the runtime key."""
     rows = seqlen_q * group
@@ -100,7 +105,8 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
     min_warps = tuning_from_env()[1] if tile_n >= 128 else 4
     return DecodeConfig(k_fmt, v_fmt, head_dim, q_dtype, group, row_tiles_for(rows), page_size, bool(causal),
                         bool(split), tile_n=tile_n, min_warps=min_warps, m_blocks=m_blocks_for(rows),
-                        ring_window=int(ring_window), ring_dtype=ring_dtype if ring_window else "bf16")
+                        ring_window=int(ring_window), sink_tokens=int(sink_tokens),
+                        ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16")
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,8 @@ class DecodeConfig:
     min_warps: int = 4  # 4 or 8: with few rows, more warps split each tile's tokens (more latency hiding)
     m_blocks: int = 1  # CTAs sharing one (split, kv head, sequence)'s rows: 2 for 129..256 rows (8 row tiles each)
     ring_window: int = 0  # recent-token window W of the cache (0: no ring); compile time, so p % W is cheap
-    ring_dtype: str = "bf16"  # the ring's dtype ("bf16" / "f16"), the MMA type of ring tiles
+    ring_dtype: str = "bf16"  # the ring's and the sink's dtype ("bf16" / "f16", the cache's), their tiles' MMA type
+    sink_tokens: int = 0  # N first tokens read from the sink buffer (0: none); compile time: the page tiles' start
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -137,6 +144,9 @@ class DecodeConfig:
             raise ValueError(f"group: {self.group} query heads per kv head does not fit {self.max_rows} rows")
         if not isinstance(self.ring_window, int) or self.ring_window < 0:
             raise ValueError(f"ring_window: expected an int >= 0, got {self.ring_window!r}")
+        if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= self.sink_tile_n:
+            raise ValueError(f"sink_tokens: expected an int in [0, {self.sink_tile_n}] (one sink tile), "
+                             f"got {self.sink_tokens!r}")
         if self.ring_dtype not in ("bf16", "f16"):
             raise ValueError(f"ring_dtype: expected 'bf16' or 'f16', got {self.ring_dtype!r}")
         for f in (self.k_fmt, self.v_fmt):
@@ -169,11 +179,16 @@ class DecodeConfig:
         return max(64, 16 * self.token_groups)
 
     @property
+    def sink_tile_n(self) -> int:
+        """Tokens of the sink tile (it uses the ring tile's stage buffers): at least 64, so any N <= 64 fits."""
+        return self.ring_tile_n
+
+    @property
     def key(self) -> tuple:
         """Everything that changes the generated code (the arch is added by the caller)."""
         return ("sm90_decode", _read_key(self.k_fmt), _read_key(self.v_fmt), self.head_dim, self.q_dtype, self.group,
                 self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps,
-                self.m_blocks, self.ring_window, self.ring_dtype)
+                self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens)
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
