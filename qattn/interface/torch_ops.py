@@ -55,12 +55,14 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                 k_scale_pool: Optional[torch.Tensor], v_scale_pool: Optional[torch.Tensor],
                 k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
                 k_ring: Optional[torch.Tensor], v_ring: Optional[torch.Tensor],
+                k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor],
                 seq_slots: Optional[torch.Tensor], positions: Optional[torch.Tensor],
                 k_format: str, v_format: str, page_size: int,
                 cos_sin_cache: Optional[torch.Tensor] = None, rope_style: str = "neox",
                 k_mean: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
-                rotation_seed: int = 0, k_sink: Optional[torch.Tensor] = None,
-                v_sink: Optional[torch.Tensor] = None) -> None:
+                rotation_seed: int = 0) -> None:
+    # Mutated tensors never take a default: torch 2.11's dispatcher drops trailing arguments equal to their
+    # defaults before its in-place version bump indexes them (IndexError under torch.compile on the GPU).
     from ..quant.transforms import RoPE
     from .kv_cache_ops import _write_kv_eager
 
@@ -74,8 +76,8 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 
 @write_kv_op.register_fake
 def _(k, v, slot_mapping, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring,
-      v_ring, seq_slots, positions, k_format, v_format, page_size, cos_sin_cache=None, rope_style="neox",
-      k_mean=None, rotation_signs=None, rotation_seed=0, k_sink=None, v_sink=None) -> None:
+      v_ring, k_sink, v_sink, seq_slots, positions, k_format, v_format, page_size, cos_sin_cache=None,
+      rope_style="neox", k_mean=None, rotation_signs=None, rotation_seed=0) -> None:
     return None
 
 
@@ -110,10 +112,11 @@ def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slo
                     k_mean=None) -> None:
     lay = cache.layer(layer)
     torch.ops.qattn.write_kv(k, v, slot_mapping, lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
-                             lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring, seq_slots, positions,
-                             format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
-                             None if rope is None else rope.cos_sin_cache, "neox" if rope is None else rope.style,
-                             k_mean, cache.rotation_signs, cache.rotation_seed or 0, lay.k_sink, lay.v_sink)
+                             lay.k_global_scale, lay.v_global_scale, lay.k_ring, lay.v_ring, lay.k_sink, lay.v_sink,
+                             seq_slots, positions, format_str(cache.k_format), format_str(cache.v_format),
+                             cache.page_size, None if rope is None else rope.cos_sin_cache,
+                             "neox" if rope is None else rope.style, k_mean, cache.rotation_signs,
+                             cache.rotation_seed or 0)
 
 
 def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,

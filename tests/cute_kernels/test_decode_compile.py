@@ -110,6 +110,31 @@ def test_decode_sink_compiles_sm90(case):
     assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global") > ptx_count(base, r"cp\.async\.cg\.shared\.global")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "int8", "bf16"])
+@pytest.mark.parametrize("W,N", [(0, 0), (64, 0), (0, 1), (0, 16), (128, 4)])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_buffers_never_overlap(fmt, W, N, stages):
+    """Shared-memory placement of the stage buffers (no GPU needed): every (buffer, stage) slice lies inside the
+    stage area, slices of different stages are disjoint, and within a stage the page buffers are disjoint from
+    each other, as are the 16-bit (ring / sink) ones; page and 16-bit buffers may share a stage (a union: a stage
+    holds one tile). A sink-only cache once got the page-only layout and its sink tile overwrote page stages."""
+    f = kv_format(fmt)
+    cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 128, True, True, tile_n=128 if fmt != "bf16" else 64,
+                       ring_window=W, sink_tokens=N, stages=stages)
+    kern = DecodeSm90(cfg)
+    place = kern.buffer_placement()
+    assert ("rkd" in place) == bool(W or N)
+    spans = {(name, st): (base + st * stride, base + st * stride + kern.vec[name])
+             for name, (base, stride) in place.items() for st in range(cfg.stages)}
+    for lo, hi in spans.values():
+        assert 0 <= lo < hi <= cfg.stages * kern.stage_vecs
+    for (a, sa), (b, sb) in itertools.combinations(spans, 2):
+        if sa == sb and a.startswith("r") != b.startswith("r"):
+            continue  # the union
+        (lo1, hi1), (lo2, hi2) = spans[a, sa], spans[b, sb]
+        assert hi1 <= lo2 or hi2 <= lo1, f"{a}[{sa}] overlaps {b}[{sb}]"
+
+
 def test_decode_ring_eight_warps_compiles_sm90():
     """QATTN_DECODE_WARPS=8 with 128-token page tiles: 8 token groups, so 128-token ring tiles."""
     f = kv_format("nvfp4")

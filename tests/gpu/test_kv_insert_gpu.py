@@ -317,7 +317,9 @@ def test_sink_check_mode_and_out_of_range_values():
     qattn.write_kv(cache, 0, k, v, torch.arange(4).cuda(), seq_slots=torch.tensor([2, -1, 0, 0]).cuda(),
                    positions=torch.tensor([0, 1, -1, 5]).cuda())
     torch.cuda.synchronize()
-    assert torch.equal(lay.k_sink, before[0]) and torch.equal(lay.v_sink, before[1])
+    # compare bits: the sink buffer is uninitialized memory, NaNs included
+    assert torch.equal(lay.k_sink.view(torch.int16), before[0].view(torch.int16))
+    assert torch.equal(lay.v_sink.view(torch.int16), before[1].view(torch.int16))
 
 
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("mxfp4", "fp8"), ("int8", "bf16"), ("mxfp4_b16", "int8")])

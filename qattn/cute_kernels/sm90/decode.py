@@ -263,6 +263,18 @@ class DecodeSm90:
         nbytes += 4 * cfg.num_warps * 16 * self.D + 2 * 4 * cfg.num_warps * 16
         self.smem_bytes = nbytes + 16 * 8  # alignment slack
 
+    def buffer_placement(self) -> dict:
+        """``{buffer: (base, stage_stride)}`` in 16-byte vectors of the stage area, for every non-empty buffer.
+
+        With a ring or a sink, page buffers (kd, ks, vd, vs) and 16-bit buffers (rkd, rvd) are a union inside
+        each stage (buffer-major offsets, stage stride ``stage_vecs``): a stage holds one tile of either kind.
+        Without them each buffer keeps its stages contiguous (base ``stages * offset``, stage stride its size),
+        the layout the page-only kernel was tuned with (H100 A/B, nvfp4 GQA 32/8 D128 page 128: the union layout
+        for every cache cost 236 vs 183 us at B8 x 32K and 168 vs 155 us at B128 x 2K)."""
+        S = self.cfg.stages
+        return {name: ((self.vec_off[name], self.stage_vecs) if self.unquantized else (S * self.vec_off[name], n))
+                for name, n in self.vec.items() if n > 0}
+
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(
@@ -322,16 +334,11 @@ class DecodeSm90:
         SV = self.stage_vecs
         stage_buf = smem.allocate_tensor(Uint32, cute.make_layout((4, SV, S), stride=(1, 4, 4 * SV)),
                                          byte_alignment=16)
-        # Buffer placement: with a ring, page and ring buffers are a union inside each stage (buffer-major
-        # offsets, stage stride SV); without one, each buffer keeps its stages contiguous (base S * offset,
-        # stage stride n), the layout the non-ring kernel was tuned with (H100 A/B, nvfp4 GQA 32/8 D128 page 128:
-        # the union layout for every cache cost 236 vs 183 us at B8 x 32K and 168 vs 155 us at B128 x 2K).
+        place = self.buffer_placement()
         bufs, sstride = {}, {}
         for name, n in self.vec.items():
             if cutlass.const_expr(n > 0):  # a 16-byte aligned slice of every stage
-                base, sstride[name] = self.vec_off[name], SV
-                if cutlass.const_expr(not self.ring):
-                    base, sstride[name] = S * self.vec_off[name], n
+                base, sstride[name] = place[name]
                 bufs[name] = cute.make_tensor(stage_buf.iterator + 4 * base,
                                               cute.make_layout((4, n, S), stride=(1, 4, 4 * sstride[name])))
         sO = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16 * D), byte_alignment=16)
