@@ -1,7 +1,7 @@
-"""Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, with RoPE + smoothing + rotation, into a
-ring cache), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA, seqlen_q > 1, a recent
-window), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal, varlen). Run as a script; exits
-non-zero on a wrong result."""
+"""Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
+into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
+seqlen_q > 1, a recent window, sink tokens), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal,
+varlen). Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -38,10 +38,15 @@ def main() -> None:
 
 
 def _ring_and_transforms(g) -> None:
-    B, H, Hk, D, page, W = 2, 8, 2, 64, 16, 32
+    for W, N in ((32, 0), (32, 4), (0, 1)):  # ring, ring + sink, sink only
+        _ring_sink_transforms(g, W, N)
+
+
+def _ring_sink_transforms(g, W: int, N: int) -> None:
+    B, H, Hk, D, page = 2, 8, 2, 64, 16
     lens = torch.tensor([20, 75], dtype=torch.int32, device="cuda")
     cache = qattn.PagedKVCache(1, 16, page, Hk, D, "nvfp4", recent_window=W, max_seqs=3, rotate=True,
-                               device="cuda")
+                               sink_tokens=N, device="cuda")
     table = torch.arange(12, device="cuda", dtype=torch.int32).view(B, 6)
     seqs = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
     rope = qattn.RoPE.from_theta(10000.0, D, 128, "neox", device="cuda")
@@ -56,7 +61,7 @@ def _ring_and_transforms(g) -> None:
     for splits in (1, 2):
         out = qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs, num_splits=splits)
         assert torch.isfinite(out).all()
-    print("ring + rope + smoothing + rotation: insert and decode ran")
+    print(f"ring {W} + sink {N} + rope + smoothing + rotation: insert and decode ran")
 
 
 def _prefill(g) -> None:
