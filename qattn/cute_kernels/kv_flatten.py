@@ -216,7 +216,7 @@ def _compiled(cfg: KVFlatten, arch: str):
     return cache_for("kv_flatten").get(("kv_flatten", arch) + cfg.key, build)
 
 
-def flatten_kv(cache, layer: int, block_table, cache_seqlens):
+def flatten_kv(cache, layer: int, block_table, cache_seqlens, max_seqlen=None):
     """See :func:`qattn.interface.kv_cache_ops.flatten_kv`."""
     import torch
 
@@ -244,7 +244,10 @@ def flatten_kv(cache, layer: int, block_table, cache_seqlens):
 
     check_block_table(cache, block_table, cache_seqlens)  # value checks: flatten is a debugging tool
     H, D = cache.num_kv_heads, cache.head_dim
-    max_len = int(cache_seqlens.max()) if B else 0
+    longest = int(cache_seqlens.max()) if B else 0
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen: {max_seqlen} is shorter than the longest sequence ({longest})")
+    max_len = longest if max_seqlen is None else max_seqlen
     k_out = torch.empty((B, max_len, H, D), dtype=torch.bfloat16, device=dev)
     v_out = torch.empty_like(k_out)
     if B * max_len == 0:

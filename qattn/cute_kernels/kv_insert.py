@@ -207,9 +207,11 @@ class KVInsert:
         self.threads = self.rows_per_cta * self.threads_per_row
         self.in_bf16 = bool(in_bf16)
         self.ring = bool(ring)
-        self.ring_bf16 = bool(ring_bf16)  # the dtype of the unquantized rows: ring and sink (the cache's dtype)
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens!r}")
+        # the dtype of the unquantized rows, ring and sink (the cache's dtype); without either it is unused and
+        # fixed, so that caches differing only in dtype share the variant
+        self.ring_bf16 = bool(ring_bf16) if (ring or sink_tokens) else True
         self.sink_tokens = sink_tokens  # compile time: the position test is one compare with a constant
         self.k = _Side(kf, head_dim, self.elems)
         self.v = _Side(vf, head_dim, self.elems)
@@ -678,18 +680,35 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
 # variants for qattn-warmup
 # ==================================================================================================
 @register("kv_insert")
-def _insert_variants(arch: str, kv_formats=None, head_dims=None, **_):
+def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=None, sink_tokens=None,
+                     q_dtypes=None, **_):
+    """The variants ``write_kv`` compiles for caches without RoPE / smoothing / rotation (those compile on first
+    use): each format or ``k+v`` pair (MX formats with both scale rules), head_dim, with / without a ring
+    (any ``recent_windows`` entry > 0), sink token count, and dtype (``q_dtypes``: bf16 / f16, the input's
+    and the cache's)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
-    names = [f for f in (kv_formats or INSERT_FORMATS) if f in INSERT_FORMATS]
-    out = []
-    for name in names:  # same format for K and V, bf16 input, no ring (mixed pairs compile on first use)
-        rules = ("floor", "rceil") if name.startswith("mxfp4") else (None,)
+    out, seen = [], set()
+    for name in kv_formats or INSERT_FORMATS:
+        sides = name.split("+") if "+" in name else [name, name]
+        if len(sides) != 2 or any(x not in INSERT_FORMATS for x in sides):
+            continue
+        rules = ("floor", "rceil") if any(x.startswith("mxfp4") for x in sides) else (None,)
         for rule in rules:
+            kf, vf = (_resolve(x, rule if x.startswith("mxfp4") else None) for x in sides)
             for d in head_dims or [64, 128, 256]:
-                f = _resolve(name, rule)
-                cfg = KVInsert(f, f, d)
-                build = (lambda cfg=cfg: compile_for_arch(cfg, *_fake_args(cfg), arch=arch, keep_ptx=False)[0])
-                label = f"{name}{'' if rule is None else ' ' + rule} D{d}"
-                out.append(Variant("kv_insert", ("kv_insert", arch) + cfg.key, label, build))
+                for ring in sorted({bool(w) for w in recent_windows or [0]}):
+                    for n in sink_tokens or [0]:
+                        for dt in q_dtypes or ["bf16"]:
+                            bf16 = dt == "bf16"
+                            cfg = KVInsert(kf, vf, d, in_bf16=bf16, ring=ring, ring_bf16=bf16, sink_tokens=n)
+                            key = ("kv_insert", arch) + cfg.key
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            build = (lambda cfg=cfg: compile_for_arch(cfg, *_fake_args(cfg), arch=arch,
+                                                                      keep_ptx=False)[0])
+                            label = (f"{name}{'' if rule is None else ' ' + rule} D{d}" + (" ring" if ring else "")
+                                     + (f" N{n}" if n else "") + ("" if bf16 else f" {dt}"))
+                            out.append(Variant("kv_insert", key, label, build))
     return out

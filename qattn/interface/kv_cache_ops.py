@@ -43,6 +43,18 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def insert_config_for(cache: PagedKVCache, k_dtype: torch.dtype, rope: RoPE | None = None, smooth: bool = False):
+    """The :class:`~qattn.cute_kernels.kv_insert.KVInsert` variant ``write_kv`` launches for this cache, input
+    dtype and transforms (``qattn-warmup`` enumerates the same configurations)."""
+    from ..cute_kernels import kv_insert
+
+    return kv_insert.KVInsert(cache.k_format, cache.v_format, cache.head_dim, in_bf16=k_dtype == torch.bfloat16,
+                              ring=bool(cache.recent_window), ring_bf16=cache.dtype == torch.bfloat16,
+                              rope_style=None if rope is None else rope.style,
+                              rotary_dim=0 if rope is None else rope.rotary_dim,
+                              smooth=smooth, rotate=cache.rotate, sink_tokens=cache.sink_tokens)
+
+
 def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
              seq_slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
              rope: RoPE | None = None, k_mean: torch.Tensor | None = None, check: bool = False) -> None:
@@ -127,11 +139,7 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
     if n == 0:
         return
-    cfg = kv_insert.KVInsert(cache.k_format, cache.v_format, D, in_bf16=k.dtype == torch.bfloat16, ring=ring,
-                             ring_bf16=cache.dtype == torch.bfloat16,
-                             rope_style=None if rope is None else rope.style,
-                             rotary_dim=0 if rope is None else rope.rotary_dim,
-                             smooth=k_mean is not None, rotate=cache.rotate, sink_tokens=sink)
+    cfg = insert_config_for(cache, k.dtype, rope, k_mean is not None)
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
         k16, v16 = _aligned16(k), _aligned16(v)
@@ -199,13 +207,32 @@ def _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope=None, k_
         raise ValueError("positions: the same (seq_slot, position) appears twice")
 
 
-def flatten_kv(cache: PagedKVCache, layer: int, block_table: torch.Tensor, cache_seqlens: torch.Tensor):
-    """Dense K and V (batch, max_len, num_kv_heads, head_dim) bf16 from the paged pools (zero past each
-    length); equals ``flatten_kv_reference(...)`` cast to bf16. ``max_len`` is read from ``cache_seqlens``
-    (one host synchronisation, to size the output)."""
+def _flatten_kv_eager(cache: PagedKVCache, layer: int, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                      max_seqlen: int | None = None):
     from ..cute_kernels import kv_flatten
 
-    return kv_flatten.flatten_kv(cache, layer, block_table, cache_seqlens)
+    return kv_flatten.flatten_kv(cache, layer, block_table, cache_seqlens, max_seqlen)
+
+
+def flatten_kv(cache: PagedKVCache, layer: int, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+               max_seqlen: int | None = None):
+    """Dense K and V (batch, max_len, num_kv_heads, head_dim) bf16 from the paged pools (zero past each
+    length); equals ``flatten_kv_reference(...)`` cast to bf16 (the recent-token ring and sink rows are not
+    overlaid: this reads the pages). ``max_len`` is ``max_seqlen`` when given (it must be at least every
+    length), else ``cache_seqlens.max()`` read on the host. Under ``torch.compile`` pass ``max_seqlen``: the
+    call is then the custom op ``qattn::flatten_kv`` and tracing reads nothing on the host. A debugging tool:
+    eager calls validate the block table's values (a host synchronisation)."""
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                   or max_seqlen < 0):
+        raise ValueError(f"max_seqlen: expected an int >= 0 or None, got {max_seqlen!r}")
+    if torch.compiler.is_compiling():
+        if max_seqlen is None:
+            raise ValueError("flatten_kv under torch.compile: pass max_seqlen= (the output length), so that "
+                             "tracing does not read cache_seqlens on the host")
+        from .torch_ops import flatten_kv_traced
+
+        return flatten_kv_traced(cache, layer, block_table, cache_seqlens, max_seqlen)
+    return _flatten_kv_eager(cache, layer, block_table, cache_seqlens, max_seqlen)
 
 
 def inspect_kv(cache: PagedKVCache, layer: int, block: int, offset: int, head: int) -> dict:

@@ -3,7 +3,8 @@
 The ops take the plain tensors of one cache layer plus the formats as strings (``"nvfp4"``, ``"mxfp4:rceil"``),
 rebuild a :class:`PagedKVCache` view (no copy) and call the same launchers as eager code. Their fake
 implementations give output shapes only. The public functions (``qattn.write_kv``,
-``qattn.flash_attn_with_kvcache``) route through these ops only while torch.compile traces them, so eager
+``qattn.flash_attn_with_kvcache``, ``qattn.flatten_kv``, ``qattn.flash_attn_func``,
+``qattn.flash_attn_varlen_func``) route through these ops only while torch.compile traces them, so eager
 callers pay no dispatcher overhead.
 """
 
@@ -169,3 +170,32 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
       smooth_k, qk_quant):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("qattn::flatten_kv", mutates_args=())
+def flatten_kv_op(k_data: torch.Tensor, v_data: torch.Tensor, k_scale_pool: Optional[torch.Tensor],
+                  v_scale_pool: Optional[torch.Tensor], k_global_scale: Optional[torch.Tensor],
+                  v_global_scale: Optional[torch.Tensor], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                  k_format: str, v_format: str, page_size: int, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qattn.flatten_kv`` as one op: (k, v) of shape (batch, max_seqlen, num_kv_heads, head_dim) bf16.
+    ``max_seqlen`` sizes the output, so tracing never reads ``cache_seqlens`` on the host."""
+    from .kv_cache_ops import _flatten_kv_eager
+
+    cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, None, None,
+                  k_format, v_format, page_size, _head_dim(k_data, k_format), torch.bfloat16)
+    return _flatten_kv_eager(cache, 0, block_table, cache_seqlens, max_seqlen)
+
+
+@flatten_kv_op.register_fake
+def _(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, block_table, cache_seqlens,
+      k_format, v_format, page_size, max_seqlen):
+    shape = (block_table.shape[0], max_seqlen, k_data.shape[1], _head_dim(k_data, k_format))
+    return k_data.new_empty(shape, dtype=torch.bfloat16), k_data.new_empty(shape, dtype=torch.bfloat16)
+
+
+def flatten_kv_traced(cache: PagedKVCache, layer: int, block_table, cache_seqlens, max_seqlen: int):
+    lay = cache.layer(layer)
+    return torch.ops.qattn.flatten_kv(lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
+                                      lay.k_global_scale, lay.v_global_scale, block_table, cache_seqlens,
+                                      format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
+                                      int(max_seqlen))

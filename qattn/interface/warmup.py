@@ -7,6 +7,9 @@ Examples::
     qattn-warmup --arch auto --jobs 4        # the local GPU's arch, 4 compile processes
     qattn-warmup --arch sm_90a --kernels decode,combine --kv-formats nvfp4,int8+nvfp4 --head-dims 128 \
         --gqa 4,8 --page-sizes 16 --seqlen-q 1,4 --recent-windows 0,64 --sink-tokens 0,1
+    qattn-warmup --cache-info                # where the cache is, its size, this version's share
+    qattn-warmup --clear-stale               # drop objects of other qattn / cutlass-dsl versions
+    qattn-warmup --clear                     # drop everything
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from .compile_cache import cache_root, cache_size
+from .compile_cache import cache_root, cache_size, clear_cache, source_fingerprint
 from .variants import ARCHES, cache_for, enumerate_variants, kinds, supported_arch
 
 
@@ -65,7 +68,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")
     p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")
+    p.add_argument("--cache-info", action="store_true", help="print the cache directory and its size, and exit")
+    p.add_argument("--clear", action="store_true", help="delete every cached kernel, and exit")
+    p.add_argument("--clear-stale", action="store_true",
+                   help="delete cached kernels of other qattn sources / cutlass-dsl versions, and exit")
     args = p.parse_args(argv)
+    if args.cache_info or args.clear or args.clear_stale:
+        return _cache_command(args)
 
     if args.arch == "auto":
         import torch
@@ -127,6 +136,22 @@ def main(argv=None) -> int:
     print(f"{len(jobs)} variants, {failed} failed, {time.perf_counter() - t_all:.1f} s; "
           f"cache {cache_root()}: {sz['objects']} objects, {sz['bytes'] / 2**20:.1f} MiB")
     return 1 if failed else 0
+
+
+def _cache_command(args) -> int:
+    root = cache_root()
+    if root is None:
+        print("persistent cache disabled (QATTN_CACHE_DIR=off)")
+        return 0
+    if args.clear or args.clear_stale:
+        removed = clear_cache(stale_only=args.clear_stale and not args.clear)
+        print(f"removed {removed} files from {root}")
+    sz = cache_size()
+    mine = root / source_fingerprint()
+    n_mine = len(list(mine.rglob("*.o"))) if mine.exists() else 0
+    print(f"cache {root}: {sz['objects']} objects, {sz['bytes'] / 2**20:.1f} MiB; "
+          f"{n_mine} objects for this version ({source_fingerprint()})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -86,3 +86,31 @@ def test_compiled_ring_decode_step_matches_eager():
             a, b = getattr(caches[0].layer(0), name), getattr(caches[1].layer(0), name)
             assert torch.equal(a, b), name
         lens += 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flatten_kv_matches_eager():
+    """flatten_kv(max_seqlen=N) compiled (the qattn::flatten_kv op) == eager; rows past each length are zero,
+    also past the longest one; a max_seqlen below the longest sequence is an error."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(11)
+    B, Hk, D, P, nb = 3, 2, 128, 16, 6
+    cache = qattn.PagedKVCache(1, B * nb, P, Hk, D, ("fp8", "nvfp4"), device=dev)
+    table = torch.randperm(B * nb, device=dev, generator=g).view(B, nb).to(torch.int32)
+    lens = torch.tensor([20, 77, 5], dtype=torch.int32, device=dev)
+    for b in range(B):
+        pos = torch.arange(int(lens[b]), device=dev)
+        k = torch.randn(len(pos), Hk, D, device=dev, generator=g, dtype=torch.bfloat16)
+        qattn.write_kv(cache, 0, k, torch.randn_like(k), table[b, pos // P].long() * P + pos % P)
+    compiled = torch.compile(lambda lens, table: qattn.flatten_kv(cache, 0, table, lens, max_seqlen=90),
+                             fullgraph=True)
+    kc, vc = compiled(lens, table)
+    ke, ve = qattn.flatten_kv(cache, 0, table, lens, max_seqlen=90)
+    k0, v0 = qattn.flatten_kv(cache, 0, table, lens)
+    torch.cuda.synchronize()
+    assert kc.shape == (B, 90, Hk, D) and k0.shape == (B, 77, Hk, D)
+    assert torch.equal(kc, ke) and torch.equal(vc, ve)
+    assert torch.equal(ke[:, :77], k0) and torch.equal(ve[:, :77], v0)
+    assert not ke[:, 77:].any() and not ve[:, 77:].any()
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        qattn.flatten_kv(cache, 0, table, lens, max_seqlen=76)

@@ -246,8 +246,47 @@ def test_write_kv_fake_accepts_transform_args():
 def test_mutated_arguments_take_no_default():
     """torch 2.11's dispatcher drops trailing arguments equal to their defaults before its in-place version bump
     indexes the mutated ones: a mutated argument with a default raised IndexError under torch.compile there."""
-    for name in ("write_kv", "paged_decode", "prefill", "prefill_varlen"):
+    for name in ("write_kv", "paged_decode", "prefill", "prefill_varlen", "flatten_kv"):
         schema = getattr(torch.ops.qattn, name).default._schema
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 assert not arg.has_default_value(), f"qattn::{name}: mutated argument {arg.name} has a default"
+
+
+def test_flatten_kv_traces_into_its_custom_op():
+    """flatten_kv(..., max_seqlen=N) traces as qattn::flatten_kv (fullgraph); without max_seqlen a clear error."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4")
+    lens = torch.tensor([4, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda lens, table: qattn.flatten_kv(cache, 0, table, lens, max_seqlen=48),
+                             fullgraph=True, backend=record)
+    compiled(lens, table)
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("qattn.flatten_kv" in t for t in targets)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="pass max_seqlen"):
+        torch.compile(lambda lens, table: qattn.flatten_kv(cache, 0, table, lens), fullgraph=True,
+                      backend=record)(lens, table)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        qattn.flatten_kv(cache, 0, table, lens, max_seqlen=-1)
+
+
+def test_flatten_kv_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        pools = [torch.empty(4, 2, 16, 32, dtype=torch.uint8) for _ in range(2)]
+        scales = [torch.empty(4, 2, 16, 4, dtype=torch.uint8) for _ in range(2)]
+        gs = [torch.empty(2) for _ in range(2)]
+        k, v = torch.ops.qattn.flatten_kv(pools[0], pools[1], scales[0], scales[1], gs[0], gs[1],
+                                          torch.empty(3, 5, dtype=torch.int32), torch.empty(3, dtype=torch.int32),
+                                          "nvfp4", "nvfp4", 16, 70)
+        assert k.shape == v.shape == (3, 70, 2, 64) and k.dtype == torch.bfloat16

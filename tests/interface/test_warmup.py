@@ -132,3 +132,46 @@ def test_cli_compiles_decode_and_combine_on_cpu(tmp_path):
     rows = [ln for ln in first.stdout.splitlines() if ln.startswith("sm_90a")]
     assert len(rows) == 3 and all(" new " in ln for ln in rows)
     assert len(list((tmp_path).rglob("decode/*.o"))) == 2 and len(list(tmp_path.rglob("combine/*.o"))) == 1
+
+
+def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
+    """--cache-info reports the size; --clear-stale keeps this version's objects; --clear removes all."""
+    from qattn.interface.compile_cache import source_fingerprint
+
+    monkeypatch.setenv("QATTN_CACHE_DIR", str(tmp_path))
+    mine, old = tmp_path / source_fingerprint() / "decode", tmp_path / "0123456789abcdef0000" / "decode"
+    for d in (mine, old):
+        d.mkdir(parents=True)
+        (d / "k.o").write_bytes(b"x" * 2048)
+    assert warmup.main(["--cache-info"]) == 0
+    assert "2 objects" in capsys.readouterr().out
+    assert warmup.main(["--clear-stale"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 files" in out and "1 objects, " in out and "1 objects for this version" in out
+    assert (mine / "k.o").exists() and not old.exists()
+    assert warmup.main(["--clear"]) == 0
+    assert "0 objects" in capsys.readouterr().out and not mine.exists()
+    monkeypatch.setenv("QATTN_CACHE_DIR", "off")
+    assert warmup.main(["--cache-info"]) == 0 and "disabled" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt,window,sink,dtype", [("nvfp4", 0, 0, "bf16"), (("int8", "nvfp4"), 64, 1, "bf16"),
+                                                   ("fp8", 0, 4, "f16"), ("mxfp4", 32, 0, "f16"),
+                                                   (("fp8", "mxfp4_b16"), 0, 0, "f16")])
+def test_warmed_insert_keys_equal_runtime_keys(fmt, window, sink, dtype):
+    """The insert variant ``write_kv`` launches (``insert_config_for``) is among those ``qattn-warmup``
+    compiles for the same filters."""
+    import torch
+
+    from qattn import PagedKVCache
+    from qattn.interface.kv_cache_ops import insert_config_for
+
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    name = fmt if isinstance(fmt, str) else "+".join(fmt)
+    warm = {v.key for v in variants.enumerate_variants(
+        "kv_insert", "sm_90a", kv_formats=[name], head_dims=[64, 128], recent_windows=[window],
+        sink_tokens=[sink], q_dtypes=[dtype])}
+    for D in (64, 128):
+        cache = PagedKVCache(1, 4, 16, 2, D, fmt, recent_window=window, sink_tokens=sink,
+                             max_seqs=2 if window or sink else 0, dtype=tdt)
+        assert ("kv_insert", "sm_90a") + insert_config_for(cache, tdt).key in warm
