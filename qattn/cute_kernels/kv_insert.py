@@ -190,7 +190,8 @@ class KVInsert:
 
     def __init__(self, k_fmt, v_fmt, head_dim: int, in_bf16: bool = True, ring: bool = False,
                  ring_bf16: bool = True, *, rope_style: Optional[str] = None, rotary_dim: int = 0,
-                 smooth: bool = False, rotate: bool = False, sink_tokens: int = 0):
+                 smooth: bool = False, rotate: bool = False, sink_tokens: int = 0, elems: Optional[int] = None,
+                 cta_threads: int = _THREADS):
         kf, vf = _resolve(k_fmt), _resolve(v_fmt)
         kf.check_head_dim(head_dim)
         vf.check_head_dim(head_dim)
@@ -199,11 +200,19 @@ class KVInsert:
             raise ValueError(f"head_dim: {head_dim} is not supported by the insert kernel "
                              "(needs head_dim / 32 (or / 16) to be a power of two: 16, 32, 64, 128, 256, 512)")
         self.head_dim = head_dim
-        self.elems = 32 if head_dim % 32 == 0 else 16
-        if kf.scale_block == 32 or vf.scale_block == 32:
-            assert self.elems == 32
+        # values per thread (``elems``) and threads per CTA: A/B knobs; the defaults are what write_kv launches.
+        # 16 values per thread for 8- and 16-bit K and V (more threads per row hide more load latency: H100,
+        # 64K tokens H8 D128 page 16, % of copy bandwidth, E 32 -> 16: fp8 79.8 -> 84.4, bf16 71.6 -> 85.6);
+        # 32 when a side is FP4 (nvfp4: 68.5 vs 67.1; MX blocks of 32 need it).
+        fp4_side = "e2m1" in (kf.payload, vf.payload)
+        self.elems = elems if elems is not None else (32 if head_dim % 32 == 0 and (fp4_side or head_dim > 256)
+                                                      else 16)
+        if self.elems not in (16, 32) or head_dim % self.elems or (self.elems == 16 and 32 in (kf.scale_block,
+                                                                                            vf.scale_block)):
+            raise ValueError(f"elems: {self.elems} values per thread do not fit head_dim {head_dim} and the formats")
+        self.cta_threads = cta_threads
         self.threads_per_row = head_dim // self.elems
-        self.rows_per_cta = max(1, _THREADS // self.threads_per_row)
+        self.rows_per_cta = max(1, cta_threads // self.threads_per_row)
         self.threads = self.rows_per_cta * self.threads_per_row
         self.in_bf16 = bool(in_bf16)
         self.ring = bool(ring)
@@ -234,7 +243,8 @@ class KVInsert:
     @property
     def key(self) -> tuple:
         return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16,
-                self.rope_style, self.rotary_dim, self.smooth, self.rotate, self.sink_tokens)
+                self.rope_style, self.rotary_dim, self.smooth, self.rotate, self.sink_tokens, self.elems,
+                self.cta_threads)
 
     def _transforms(self, is_key: bool) -> bool:
         """Whether the row of this side is changed before it is stored (then stores convert from fp32)."""

@@ -42,10 +42,16 @@ def _common(ptx, arch):
     assert not ptx_has(ptx, r"\b(rcp|div|sqrt)\.approx|div\.full"), "approximate division"
 
 
+def _elems(kspec, vspec, head_dim):
+    """Values per thread the kernel's own rule picks (16 for 8/16-bit K and V, 32 with an FP4 side)."""
+    from qattn.cute_kernels.kv_insert import KVInsert
+
+    return KVInsert(_f(kspec), _f(vspec), head_dim).elems
+
+
 def _store_count(spec, head_dim):
     f = _f(spec)
-    elems = 32 if head_dim % 32 == 0 else 16
-    words = elems * f.bits // 32
+    words = _elems(spec, spec, head_dim) * f.bits // 32
     return max(1, words // 4)
 
 
@@ -56,12 +62,13 @@ def test_same_format_compiles(spec, arch):
 
     ptx = _insert_ptx(spec, spec, 128, arch)
     _common(ptx, arch)
-    # input: 4 x 16-byte loads per thread for K and for V
-    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") == 8
+    # input: E / 8 16-byte loads per thread for K and for V
+    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") == 2 * _elems(spec, spec, 128) // 8
     assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 2 * _store_count(spec, 128)
     name = spec[0]
     if name in ("fp8", "int8"):
-        assert ptx_count(ptx, r"\bshfl\.sync\.bfly") == 2 * 2  # log2(4 threads per row), K and V
+        rows_threads = 128 // _elems(spec, spec, 128)
+        assert ptx_count(ptx, r"\bshfl\.sync\.bfly") == 2 * (rows_threads.bit_length() - 1)  # log2(G), K and V
         assert ptx_has(ptx, r"\bdiv\.rn\.f32\b")
         assert ptx_has(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32" if name == "fp8" else r"cvt\.rni\.s32\.f32")
     else:
@@ -170,7 +177,7 @@ def _transform_ptx(case_index, arch):
 def _expected_shuffles(kspec, vspec, head_dim, tr):
     from qattn.cute_kernels.kv_insert import neox_partner_plan
 
-    E = 32 if head_dim % 32 == 0 else 16
+    E = _elems(kspec, vspec, head_dim)
     G = head_dim // E
     n = 0
     if tr.get("rope_style") == "neox":
@@ -199,8 +206,8 @@ def test_transform_variants_compile(case, arch):
     assert ptx_has(ptx, r"\bmul\.rn\.f32\b")
     if tr.get("rope_style") or tr.get("smooth"):
         assert ptx_has(ptx, r"\bsub\.rn\.f32\b")
-    # inputs stay 16-byte loads (4 per thread for K and V when head_dim % 32 == 0)
-    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") >= 8
+    # inputs stay 16-byte loads (E / 8 per thread for K and for V)
+    assert ptx_count(ptx, r"\bld\.global(\.\w+)*\.v4\.(b|u)32\b") >= 2 * _elems(kspec, vspec, head_dim) // 8
 
 
 def test_transform_key_and_validation():
