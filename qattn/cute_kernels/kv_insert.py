@@ -201,12 +201,13 @@ class KVInsert:
                              "(needs head_dim / 32 (or / 16) to be a power of two: 16, 32, 64, 128, 256, 512)")
         self.head_dim = head_dim
         # values per thread (``elems``) and threads per CTA: A/B knobs; the defaults are what write_kv launches.
-        # 16 values per thread for 8- and 16-bit K and V (more threads per row hide more load latency: H100,
-        # 64K tokens H8 D128 page 16, % of copy bandwidth, E 32 -> 16: fp8 79.8 -> 84.4, bf16 71.6 -> 85.6);
-        # 32 when a side is FP4 (nvfp4: 68.5 vs 67.1; MX blocks of 32 need it).
-        fp4_side = "e2m1" in (kf.payload, vf.payload)
-        self.elems = elems if elems is not None else (32 if head_dim % 32 == 0 and (fp4_side or head_dim > 256)
-                                                      else 16)
+        # 16 values per thread (more threads per row hide more load latency; H100, 64K tokens H8 D128 page 16,
+        # % of copy bandwidth, E 32 -> 16: int8 80.8 -> 85.3, fp8 80.2 -> 85.5, bf16 71.8 -> 86.0, int8 K +
+        # nvfp4 V 74.4 -> 77.5), except when both sides are FP4 (nvfp4: 68.5 vs 68.8, noise) or one has MX
+        # blocks of 32 (a thread holds whole blocks), and above head_dim 256 (G would exceed 16 lanes).
+        both_fp4 = kf.payload == vf.payload == "e2m1"
+        wide = 32 in (kf.scale_block, vf.scale_block) or both_fp4 or head_dim > 256
+        self.elems = elems if elems is not None else (32 if head_dim % 32 == 0 and wide else 16)
         if self.elems not in (16, 32) or head_dim % self.elems or (self.elems == 16 and 32 in (kf.scale_block,
                                                                                             vf.scale_block)):
             raise ValueError(f"elems: {self.elems} values per thread do not fit head_dim {head_dim} and the formats")

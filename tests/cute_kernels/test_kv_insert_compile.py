@@ -92,8 +92,9 @@ def test_ring_variants_compile(in_bf16, ring_bf16, arch):
 
     ptx = _insert_ptx(("nvfp4", None), ("int8", None), 128, arch, in_bf16, True, ring_bf16)
     _common(ptx, arch)
-    # K and V ring rows (4 x 16 bytes each) + K payload (1) + V payload (2)
-    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 8 + 1 + 2
+    # 16-byte stores per thread: K and V ring rows (E / 8 each) + nvfp4 K payload (E / 32) + int8 V payload (E / 16)
+    E = _elems(("nvfp4", None), ("int8", None), 128)
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == E // 4 + E // 32 + E // 16
     if in_bf16 != ring_bf16:
         assert ptx_count(ptx, r"cvt\.rn\.(bf16|f16)x2\.f32") >= 16
 
@@ -102,7 +103,7 @@ def test_ring_variants_compile(in_bf16, ring_bf16, arch):
 @pytest.mark.parametrize("ring,sink_tokens,in_bf16,ring_bf16", [(False, 1, True, True), (True, 4, True, True),
                                                                 (True, 4, False, True), (False, 64, True, False)])
 def test_sink_variants_compile(ring, sink_tokens, in_bf16, ring_bf16, arch):
-    """Sink caches store the unquantized row of positions < N once more (K and V, 4 x 16 bytes each), from the
+    """Sink caches store the unquantized row of positions < N once more (K and V, E / 8 x 16 bytes each), from the
     same converted registers as the ring row; N is compile time (in the key)."""
     from qattn.cute_kernels import compile_utils, kv_insert
     from qattn.cute_kernels.compile_utils import ptx_count
@@ -111,7 +112,8 @@ def test_sink_variants_compile(ring, sink_tokens, in_bf16, ring_bf16, arch):
                                                    ring_bf16, sink_tokens=sink_tokens)
     _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
     _common(ptx, arch)
-    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == 8 * (1 + int(ring)) + 1 + 2
+    E = cfg.elems
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.v4\.(b|u)32\b") == E // 4 * (1 + int(ring)) + E // 32 + E // 16
     assert cfg.key != kv_insert.KVInsert("nvfp4", "int8", 128, in_bf16, ring, ring_bf16).key
     assert cfg.key != kv_insert.KVInsert("nvfp4", "int8", 128, in_bf16, ring, ring_bf16,
                                          sink_tokens=sink_tokens + 1).key
