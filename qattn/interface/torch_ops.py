@@ -4,8 +4,9 @@ The ops take the plain tensors of one cache layer plus the formats as strings (`
 rebuild a :class:`PagedKVCache` view (no copy) and call the same launchers as eager code. Their fake
 implementations give output shapes only. The public functions (``qattn.write_kv``,
 ``qattn.flash_attn_with_kvcache``, ``qattn.flatten_kv``, ``qattn.flash_attn_func``,
-``qattn.flash_attn_varlen_func``) route through these ops only while torch.compile traces them, so eager
-callers pay no dispatcher overhead.
+``qattn.flash_attn_varlen_func``, and the prepass entry points ``qattn.quant.quantize_qk_int8`` /
+``quantize_qk_int8_varlen`` / ``quantize_v_fp8``) route through these ops only while torch.compile traces them,
+so eager callers pay no dispatcher overhead.
 """
 
 from __future__ import annotations
@@ -199,3 +200,95 @@ def flatten_kv_traced(cache: PagedKVCache, layer: int, block_table, cache_seqlen
                                       lay.k_global_scale, lay.v_global_scale, block_table, cache_seqlens,
                                       format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
                                       int(max_seqlen))
+
+
+# --- the prefill prepass entry points (qattn.quant) ----------------------------------------------------------
+# A custom op cannot return None: without smooth_k the k_mean slot is an empty tensor, turned back into None by
+# the traced wrappers (the eager functions return None directly).
+_QK = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _k_mean_out(k_mean: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return k_mean if k_mean is not None else like.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("qattn::quantize_qk_int8", mutates_args=())
+def quantize_qk_int8_op(q: torch.Tensor, k: torch.Tensor, granularity: str, smooth_k: bool, block_q: int,
+                        warp_q: int, block_k: int) -> _QK:
+    from ..quant.launch import quantize_qk_int8
+
+    qi, qs, ki, ks, km = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                          warp_q=warp_q, block_k=block_k)
+    return qi, qs, ki, ks, _k_mean_out(km, q)
+
+
+@quantize_qk_int8_op.register_fake
+def _(q, k, granularity, smooth_k, block_q, warp_q, block_k):
+    from ..quant.qk_int8 import _num_groups
+
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    f32 = torch.float32
+    return (q.new_empty(q.shape, dtype=torch.int8), q.new_empty((B, Hq, _num_groups(Sq, granularity, block_q,
+                                                                                    warp_q)[1]), dtype=f32),
+            k.new_empty(k.shape, dtype=torch.int8), k.new_empty((B, Hkv, -(-Sk // block_k)), dtype=f32),
+            k.new_empty((B, Hkv, D) if smooth_k else (0,), dtype=f32))
+
+
+def quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k):
+    qi, qs, ki, ks, km = torch.ops.qattn.quantize_qk_int8(q, k, granularity, smooth_k, block_q, warp_q, block_k)
+    return qi, qs, ki, ks, (km if smooth_k else None)
+
+
+@torch.library.custom_op("qattn::quantize_qk_int8_varlen", mutates_args=())
+def quantize_qk_int8_varlen_op(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, granularity: str,
+                               smooth_k: bool, block_q: int, warp_q: int, block_k: int) -> _QK:
+    from ..quant.launch import quantize_qk_int8_varlen
+
+    qi, qs, ki, ks, km = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                                 warp_q=warp_q, block_k=block_k)
+    return qi, qs, ki, ks, _k_mean_out(km, q)
+
+
+@quantize_qk_int8_varlen_op.register_fake
+def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity, smooth_k, block_q, warp_q,
+      block_k):
+    from ..quant.qk_int8 import _num_groups
+
+    n = cu_seqlens_q.shape[0] - 1
+    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    f32 = torch.float32
+    return (q.new_empty(q.shape, dtype=torch.int8),
+            q.new_empty((n, Hq, _num_groups(max_seqlen_q, granularity, block_q, warp_q)[1]), dtype=f32),
+            k.new_empty(k.shape, dtype=torch.int8), k.new_empty((n, Hkv, -(-max_seqlen_k // block_k)), dtype=f32),
+            k.new_empty((n, Hkv, D) if smooth_k else (0,), dtype=f32))
+
+
+def quantize_qk_int8_varlen_traced(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity,
+                                   smooth_k, block_q, warp_q, block_k):
+    qi, qs, ki, ks, km = torch.ops.qattn.quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                                  int(max_seqlen_k), granularity, smooth_k, block_q,
+                                                                  warp_q, block_k)
+    return qi, qs, ki, ks, (km if smooth_k else None)
+
+
+@torch.library.custom_op("qattn::quantize_v_fp8", mutates_args=())
+def quantize_v_fp8_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..quant.v_fp8 import quantize_v_fp8
+
+    return quantize_v_fp8(v)
+
+
+@quantize_v_fp8_op.register_fake
+def _(v):
+    from ..quant.v_fp8 import _padded
+
+    B, Sk, H, D = v.shape
+    return (v.new_empty((B, H, D, _padded(Sk)), dtype=torch.float8_e4m3fn),
+            v.new_empty((B, H, D), dtype=torch.float32))
+
+
+def quantize_v_fp8_traced(v):
+    return torch.ops.qattn.quantize_v_fp8(v)

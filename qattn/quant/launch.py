@@ -213,6 +213,10 @@ def quantize_qk_int8(
     function's ``k_mean``). Launched on the current stream without host synchronisation; values are not
     checked (NaN / Inf inputs give unspecified scales).
     """
+    if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_qk_int8
+        from ..interface.torch_ops import quantize_qk_int8_traced
+
+        return quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k)
     _check_blocks(granularity, block_q, warp_q, block_k)
     if not isinstance(smooth_k, bool):
         raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
@@ -274,6 +278,11 @@ def quantize_qk_int8_varlen(
     Not checked (that would synchronise): ``cu_seqlens`` non-decreasing from 0 with every length at most
     ``max_seqlen``; rows outside every sequence are left unwritten in ``q_int8`` / ``k_int8``.
     """
+    if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_qk_int8_varlen
+        from ..interface.torch_ops import quantize_qk_int8_varlen_traced
+
+        return quantize_qk_int8_varlen_traced(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              granularity, smooth_k, block_q, warp_q, block_k)
     _check_blocks(granularity, block_q, warp_q, block_k)
     if not isinstance(smooth_k, bool):
         raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")

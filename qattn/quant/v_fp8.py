@@ -102,6 +102,10 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from ..interface.variants import supported_arch
     from .launch import _k_chunks, _kernel_view, _num_sms, _strides
 
+    if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8
+        from ..interface.torch_ops import quantize_v_fp8_traced
+
+        return quantize_v_fp8_traced(v)
     _check_v(v)
     if not v.is_cuda:
         raise ValueError(f"v: expected a CUDA tensor, got device {v.device} (use quantize_v_fp8_reference on the CPU)")

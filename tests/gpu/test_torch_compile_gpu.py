@@ -114,3 +114,32 @@ def test_compiled_flatten_kv_matches_eager():
     assert not ke[:, 77:].any() and not ve[:, 77:].any()
     with pytest.raises(ValueError, match="shorter than the longest"):
         qattn.flatten_kv(cache, 0, table, lens, max_seqlen=76)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_compiled_prepass_matches_eager(smooth_k):
+    """quantize_qk_int8 / _varlen / quantize_v_fp8 compiled (their custom ops) == eager, bit for bit."""
+    from qattn.quant import quantize_qk_int8, quantize_qk_int8_varlen, quantize_v_fp8
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(17)
+    q = torch.randn(2, 300, 8, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 200, 2, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 100, 300], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 150, 200], dtype=torch.int32, device=dev)
+
+    def prepass(q, k, qv, kv):
+        return (quantize_qk_int8(q, k, smooth_k=smooth_k),
+                quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, 200, 150, smooth_k=smooth_k), quantize_v_fp8(k))
+
+    args = (q, k, q[0].contiguous(), k[0].contiguous())
+    eager = prepass(*args)
+    comp = torch.compile(prepass, fullgraph=True)(*args)
+    torch.cuda.synchronize()
+    for e_group, c_group in zip(eager, comp):
+        for e, c in zip(e_group, c_group):
+            assert (e is None) == (c is None)
+            if e is not None:
+                assert torch.equal(e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e,
+                                   c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c)

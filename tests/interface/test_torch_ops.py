@@ -246,7 +246,8 @@ def test_write_kv_fake_accepts_transform_args():
 def test_mutated_arguments_take_no_default():
     """torch 2.11's dispatcher drops trailing arguments equal to their defaults before its in-place version bump
     indexes the mutated ones: a mutated argument with a default raised IndexError under torch.compile there."""
-    for name in ("write_kv", "paged_decode", "prefill", "prefill_varlen", "flatten_kv"):
+    for name in ("write_kv", "paged_decode", "prefill", "prefill_varlen", "flatten_kv", "quantize_qk_int8",
+                 "quantize_qk_int8_varlen", "quantize_v_fp8"):
         schema = getattr(torch.ops.qattn, name).default._schema
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -290,3 +291,55 @@ def test_flatten_kv_fake_shapes():
                                           torch.empty(3, 5, dtype=torch.int32), torch.empty(3, dtype=torch.int32),
                                           "nvfp4", "nvfp4", 16, 70)
         assert k.shape == v.shape == (3, 70, 2, 64) and k.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("granularity,smooth_k", [("per_warp", True), ("per_block", False)])
+def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k):
+    """The prepass ops' fake outputs have the shapes and dtypes of the exact references' outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qattn.quant import quantize_v_fp8_reference
+    from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 300, 8, 64, generator=g).bfloat16()
+    k = torch.randn(2, 200, 2, 64, generator=g).bfloat16()
+    ref = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k)
+    cu_q, cu_k = torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([0, 150, 200], dtype=torch.int32)
+    qv, kv = q[0, :300], k[0, :200]
+    ref_v = quantize_qk_int8_varlen_reference(qv, kv, cu_q, cu_k, 200, 150, granularity=granularity,
+                                              smooth_k=smooth_k)
+    ref_fp8 = quantize_v_fp8_reference(k)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fcq, fck = (mode.from_tensor(t) for t in (q, k, qv, cu_q, cu_k))
+        outs = torch.ops.qattn.quantize_qk_int8(fq, fk, granularity, smooth_k, 128, 16, 128)
+        outs_v = torch.ops.qattn.quantize_qk_int8_varlen(fv, mode.from_tensor(kv), fcq, fck, 200, 150, granularity,
+                                                          smooth_k, 128, 16, 128)
+        outs_fp8 = torch.ops.qattn.quantize_v_fp8(fk)
+    for fake, real in list(zip(outs, ref)) + list(zip(outs_v, ref_v)) + list(zip(outs_fp8, ref_fp8)):
+        if real is None:
+            assert fake.numel() == 0  # no smoothing: an empty k_mean, None from the public function
+        else:
+            assert fake.shape == real.shape and fake.dtype == real.dtype
+
+
+def test_prepass_traces_into_custom_ops():
+    from qattn.quant import quantize_qk_int8, quantize_v_fp8
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    def prepass(q, k):
+        qi, qs, ki, ks, km = quantize_qk_int8(q, k, smooth_k=False)
+        assert km is None
+        return qi, qs, ki, ks, quantize_v_fp8(k)
+
+    torch._dynamo.reset()
+    torch.compile(prepass, fullgraph=True, backend=record)(torch.randn(1, 64, 4, 64).bfloat16(),
+                                                            torch.randn(1, 64, 2, 64).bfloat16())
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("qattn.quantize_qk_int8" in t for t in targets) and any("qattn.quantize_v_fp8" in t for t in targets)
