@@ -179,20 +179,23 @@ def _mx_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
         e = e + (man > 0x400000).to(torch.int32)
     # Zero and subnormal amax (bexp == 0, amax < 2**-126) need no normalisation: their exact exponent is at most
     # -129 (floor: floor(log2(amax)) <= -127) or -128 (rceil: 6 * 2**-128 > 2**-126 > amax), so it clamps to
-    # -127, which is also what bexp - 129 (+ 1) <= -128 clamps to.
-    return e.clamp(-127, 127)
+    # -127, which is also what bexp - 129 (+ 1) <= -128 clamps to. At the top, rceil reaches 126 for amax above
+    # 1.5 * 2**127; it is clamped to 125 (floor's own maximum), so that 6 * 2**e stays finite: such blocks
+    # saturate at 6 * 2**125 instead of decoding to inf.
+    return e.clamp(-127, 125)
 
 
 def mx_shared_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
     """Unbiased MX shared exponent ``e`` (int32, scale = 2**e, UE8M0 byte = e + 127) of a block with ``amax``.
 
-    Computed with integer operations on the fp32 bits of ``amax`` (no float log2), clamped to [-127, 127];
+    Computed with integer operations on the fp32 bits of ``amax`` (no float log2), clamped to [-127, 125]
+    (125 = floor's maximum for finite amax; rceil's 126, for amax > 1.5 * 2**127, would decode codes >= 4 to inf);
     ``amax == 0`` gives -127. ``amax`` must be >= 0 and finite (any floating dtype, widened to fp32).
 
     * ``rule="floor"`` (OCP MX v1.0): ``e = floor(log2(amax)) - 2``; ``amax / 2**e`` lies in [4, 8), and values
       above 6 saturate.
     * ``rule="rceil"``: the smallest ``e`` with ``amax <= 6 * 2**e``, i.e. the exact value of
-      ``ceil(log2(amax / 6))``; nothing saturates. For normal ``amax = 1.M * 2**E`` this is
+      ``ceil(log2(amax / 6))``; nothing saturates (except above 1.5 * 2**127, by the clamp). For normal ``amax = 1.M * 2**E`` this is
       ``E - 2 + (M > 0x400000)`` (mantissa above 1.5).
 
     For normal ``amax`` both come straight from the exponent field: ``biased_exp - 129`` (``+ 1`` for rceil when

@@ -251,6 +251,8 @@ def run_ptx(body: str, n_out: int, inputs: list) -> list:
             r = np.maximum(a[0], a[1])
         elif op == "max.s32":
             r = np.maximum(_as_s32(a[0]), _as_s32(a[1])).view(np.uint32)
+        elif op == "min.s32":
+            r = np.minimum(_as_s32(a[0]), _as_s32(a[1])).view(np.uint32)
         elif op == "mad.lo.u32":
             r = ((a[0].astype(np.uint64) * a[1].astype(np.uint64) + a[2].astype(np.uint64)) & M32).astype(np.uint32)
         elif op == "prmt.b32":

@@ -130,7 +130,7 @@ def test_config_specs_round_trip():
         assert KVQuantConfig.parse(c.name) == c
     c = KVQuantConfig.parse("int8/mxfp4:rceil+s+r@32")
     assert (c.k_format.name, c.v_format.scale_rule, c.smooth, c.rotate, c.window) == ("int8", "rceil", True, True, 32)
-    assert KVQuantConfig.parse("mxfp4").v_format.scale_rule == "floor"
+    assert KVQuantConfig.parse("mxfp4").v_format.scale_rule == "rceil"  # the default rule
     for bad in ("nvfp5", "int8/nvfp4/fp8", "nvfp4+x", "mxfp4:ceil"):
         with pytest.raises(ValueError):
             KVQuantConfig.parse(bad)

@@ -27,7 +27,7 @@ def test_format_fields():
     nv = kv_format("nvfp4")
     assert (nv.payload, nv.scale_dtype, nv.scale_block, nv.has_global_scale) == ("e2m1", "e4m3", 16, True)
     mx = kv_format("mxfp4")
-    assert (mx.scale_dtype, mx.scale_block, mx.scale_rule) == ("ue8m0", 32, "floor")
+    assert (mx.scale_dtype, mx.scale_block, mx.scale_rule) == ("ue8m0", 32, "rceil")
     assert kv_format("mxfp4_b16").scale_block == 16
     assert kv_format("fp8").scale_dtype == "fp32" and kv_format("fp8").scale_block is None
     assert not kv_format("bf16").is_quantized and nv.is_packed
@@ -38,13 +38,13 @@ def test_pairs_and_rules():
     assert isinstance(p, KVFormatPair) and p.k.name == "int8" and p.v.name == "nvfp4"
     assert p.bytes_per_token_head(128) == 132 + 72
     assert kv_formats("nvfp4") == (kv_format("nvfp4"), kv_format("nvfp4"))
-    rc = kv_format("mxfp4", scale_rule="rceil")
-    assert rc.scale_rule == "rceil" and rc.key != kv_format("mxfp4").key
+    rc = kv_format("mxfp4", scale_rule="floor")
+    assert rc.scale_rule == "floor" and rc.key != kv_format("mxfp4").key
     assert qattn.kv_format(rc) is rc
 
 
 def test_keys_unique():
-    keys = {kv_format(n).key for n in FORMAT_NAMES} | {kv_format("mxfp4", scale_rule="rceil").key}
+    keys = {kv_format(n).key for n in FORMAT_NAMES} | {kv_format("mxfp4", scale_rule="floor").key}
     assert len(keys) == len(FORMAT_NAMES) + 1
 
 

@@ -344,7 +344,7 @@ def test_mx_floor_vs_rceil():
     # rceil one exponent up: 7.5 / 2 = 3.75 -> 4, decoded 8.
     x = torch.zeros(1, 32)
     x[0, :4] = torch.tensor([7.5, 0.3, -1.25, 5.0])
-    floor, rceil = kv_format("mxfp4"), kv_format("mxfp4", scale_rule="rceil")
+    floor, rceil = kv_format("mxfp4", scale_rule="floor"), kv_format("mxfp4")  # rceil is the default
     pf, sf = quantize(x, floor)
     pr, sr = quantize(x, rceil)
     assert sf.item() == 127 and sr.item() == 128

@@ -174,6 +174,7 @@ PTX_MX_UE8M0_RCEIL = (
     "selp.b32 m, 1, 0, p;\n\t"
     "add.s32 e, e, m;\n\t"
     "max.s32 e, e, 2;\n\t"
+    "min.s32 e, e, 254;\n\t"  # e <= 125: 6 * 2^e stays finite (saturate, never inf)
     "sub.s32 $0, e, 2;\n\t"
     "}"
 )
@@ -369,7 +370,7 @@ def rcp_rn(x, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoi
 def mx_ue8m0_floor(amax, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> Uint32:
     """OCP MX "floor" scale byte of a block with absolute maximum ``amax`` (fp32, finite, >= 0).
 
-    e = floor(log2(amax)) - 2 clamped to [-127, 127], byte = e + 127. A normal amax has floor(log2) = E - 127
+    e = floor(log2(amax)) - 2 clamped to [-127, 127] (at most 125 for finite amax), byte = e + 127. A normal amax has floor(log2) = E - 127
     (E the biased exponent field), so byte = E - 2; zero / subnormal amax (E = 0) and E = 1 clamp to 0.
     PTX: bfe.u32, max.u32, sub.u32.
     """
@@ -378,10 +379,10 @@ def mx_ue8m0_floor(amax, *, loc: Optional[ir.Location] = None, ip: Optional[ir.I
 
 @dsl_user_op
 def mx_ue8m0_rceil(amax, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> Uint32:
-    """MX "rceil" scale byte: the smallest e with amax <= 6 * 2^e, clamped to [-127, 127], byte = e + 127.
+    """MX "rceil" scale byte: the smallest e with amax <= 6 * 2^e, clamped to [-127, 125], byte = e + 127.
 
     amax = 1.m * 2^(E-127) and 6 * 2^e = 1.5 * 2^(e+2): e = E - 129 when 1.m <= 1.5 (mantissa field <=
-    0x400000), else E - 128. PTX: bfe.u32, and.b32, setp.gt.u32, selp.b32, add.s32, max.s32, sub.s32.
+    0x400000), else E - 128. PTX: bfe.u32, and.b32, setp.gt.u32, selp.b32, add.s32, max.s32, min.s32, sub.s32.
     """
     return Uint32(_asm(T.i32(), [_f32(amax, loc, ip)], PTX_MX_UE8M0_RCEIL, "=r,f"))
 

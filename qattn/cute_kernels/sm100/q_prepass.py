@@ -33,10 +33,12 @@ ROWS = 128
 
 
 def q_format(k_fmt: KVFormat) -> KVFormat:
-    """The format Q is quantized to: NVFP4 for nvfp4 K; the K format itself (same UE8M0 block and rule) for MX."""
+    """The format Q is quantized to: NVFP4 for nvfp4 K; for MX K the same UE8M0 block with the OCP floor rule,
+    whatever K's rule (Q's rule is internal to the kernel; floor's finer steps measured better for one Q term:
+    emulated NRMSE 0.35 vs 0.75 with rceil on outlier inputs, mxfp4)."""
     if k_fmt.payload != "e2m1":
         raise ValueError(f"k format: expected an FP4 format, got {k_fmt.name}")
-    return kv_format("nvfp4") if k_fmt.scale_dtype == "e4m3" else k_fmt
+    return kv_format("nvfp4") if k_fmt.scale_dtype == "e4m3" else kv_format(k_fmt.name, scale_rule="floor")
 
 
 def sf_atom_offset(row: torch.Tensor, kblk: torch.Tensor, nsf: int) -> torch.Tensor:
