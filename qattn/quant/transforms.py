@@ -133,6 +133,12 @@ def _scale_const(d: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(1.0 / math.sqrt(d), dtype=torch.float64).to(dtype)
 
 
+def _scale(d: int) -> float:
+    """1/sqrt(d) as a Python float: torch rounds it once to the tensor's dtype, the same value as
+    :func:`_scale_const`, without creating a CPU tensor (a host-to-device copy cannot be CUDA-graph captured)."""
+    return 1.0 / math.sqrt(d)
+
+
 def _rot_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -163,14 +169,14 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     dt = _rot_dtype(x)
     y = _fwht(x.to(dt))
-    return (y * signs.to(device=x.device, dtype=dt)) * _scale_const(d, dt).to(x.device)
+    return (y * signs.to(device=x.device, dtype=dt)) * _scale(d)
 
 
 def unrotate_rows(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate_rows`: ``FWHT(y * s) * c``."""
     d = y.shape[-1]
     dt = _rot_dtype(y)
-    return _fwht(y.to(dt) * signs.to(device=y.device, dtype=dt)) * _scale_const(d, dt).to(y.device)
+    return _fwht(y.to(dt) * signs.to(device=y.device, dtype=dt)) * _scale(d)
 
 
 def rotate_query(q: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,17 @@ def _copy_block(cache: qattn.PagedKVCache, src: int, dst: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["nvfp4", ("int8", "nvfp4"), "fp8"])
-def test_decode_step_graph_replay(fmt):
+@pytest.mark.parametrize("fmt,rotate", [("nvfp4", False), (("int8", "nvfp4"), False), ("fp8", False),
+                                        ("nvfp4", True)])
+def test_decode_step_graph_replay(fmt, rotate):
+    """rotate=True: the decode's q rotation and output un-rotation (torch ops) are captured too."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     B, H, Hk, D, P, max_blocks = 4, 16, 4, 128, 16, 16
     num_blocks = B * max_blocks + 8
-    cache = qattn.PagedKVCache(1, num_blocks, P, Hk, D, fmt, device=dev)
-    shadow = qattn.PagedKVCache(1, num_blocks, P, Hk, D, fmt, device=dev)  # the same writes, by the reference
+    cache = qattn.PagedKVCache(1, num_blocks, P, Hk, D, fmt, device=dev, rotate=rotate)
+    # the same writes, by the reference
+    shadow = qattn.PagedKVCache(1, num_blocks, P, Hk, D, fmt, device=dev, rotate=rotate)
     if cache.layer(0).k_global_scale is not None:
         for c in (cache, shadow):
             c.layer(0).k_global_scale.fill_(0.01)

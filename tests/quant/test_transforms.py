@@ -138,3 +138,15 @@ def test_key_channel_mean_per_head():
         key_channel_mean(k[:0], token_dim=0)
     # fp32 subtraction, broadcast over tokens
     assert torch.equal(smooth_keys(k, m), k - m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rotation_scale_scalar_equals_the_rounded_constant(dtype):
+    """rotate_rows multiplies by 1/sqrt(d) as a Python float (no CPU tensor: CUDA-graph capturable); torch
+    rounds it once to the dtype, bit for bit the value _scale_const gives."""
+    from qattn.quant.transforms import _fwht, _scale_const, rotate_rows, rotation_signs
+
+    for d in (16, 32, 64, 128, 256):
+        x = torch.randn(7, d, dtype=dtype, generator=torch.Generator().manual_seed(d))
+        s = rotation_signs(d, 3).to(dtype)
+        assert torch.equal(rotate_rows(x, s), (_fwht(x) * s) * _scale_const(d, dtype))
