@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..layouts.paged import PagedKVCache
-from ..quant.transforms import rotate_query, unrotate_output
+from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast
 from .variants import cache_for
@@ -287,11 +287,12 @@ def flash_attn_with_kvcache(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
 ):
-    # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T.
-    signs = getattr(cache, "rotation_signs", None)
+    # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T (one fp32
+    # matrix product each way with the cache's dense R).
+    rot = cache.rotation_matrix if isinstance(cache, PagedKVCache) else None
     final_out = out
-    if signs is not None:
-        q, out = rotate_query(q, signs), None
+    if rot is not None:
+        q, out = rotate_query_dense(q, rot), None
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
                                   return_lse, out, seq_slots=seq_slots)
@@ -299,15 +300,17 @@ def flash_attn_with_kvcache(
         res = _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                              softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                              return_lse=return_lse, out=out)
-    if signs is None:
+    if rot is None:
         return res
     o, lse = res if return_lse else (res, None)
-    o = unrotate_output(o, signs, final_out)
+    o = unrotate_output_dense(o, rot, final_out)
     return (o, lse) if return_lse else o
 
 
 flash_attn_with_kvcache.__doc__ = _flash_attn_with_kvcache_eager.__doc__ + """
-    On a cache built with ``rotate=True`` (K and V stored rotated), q is rotated first
-    (``qattn.quant.transforms.rotate_query``) and the output rotated back (``unrotate_output``): the result is
-    attention of the caller's q over the unrotated K, V, up to quantization error; the LSE is unchanged.
+    On a cache built with ``rotate=True`` (K and V stored rotated), q is rotated first and the output rotated
+    back, each by one fp32 matrix product with ``cache.rotation_matrix`` (``qattn.quant.transforms.
+    rotate_query_dense`` / ``unrotate_output_dense``; the butterfly references are ``rotate_query`` /
+    ``unrotate_output``): the result is attention of the caller's q over the unrotated K, V, up to quantization
+    error; the LSE is unchanged.
     """

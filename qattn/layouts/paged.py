@@ -328,6 +328,22 @@ class PagedKVCache:
             self.device = _normalize_device(device)
             self._layers = self._allocate()
         self.rotation_signs = self._make_rotation_signs(_rotation_signs) if rotate else None
+        # the dense rotation matrix of decode's q / output transforms, built here (not inside a CUDA graph capture
+        # or a torch.compile trace); views that the custom ops build (rotation_signs given) never need it
+        self._rotation_matrix = None
+        if rotate and _rotation_signs is None:
+            from ..quant.transforms import rotation_matrix
+
+            self._rotation_matrix = rotation_matrix(self.rotation_signs)
+
+    @property
+    def rotation_matrix(self) -> torch.Tensor | None:
+        """(head_dim, head_dim) fp32 ``R`` of a rotated cache (``k R`` is stored), None without rotation."""
+        if self.rotate and self._rotation_matrix is None:
+            from ..quant.transforms import rotation_matrix
+
+            self._rotation_matrix = rotation_matrix(self.rotation_signs)
+        return self._rotation_matrix
 
     def _make_rotation_signs(self, given: torch.Tensor | None) -> torch.Tensor:
         """The (head_dim,) fp32 ±1 vector of the cache's rotation, on the cache's device (built once here, so that

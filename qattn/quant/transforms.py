@@ -179,6 +179,29 @@ def unrotate_rows(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return _fwht(y.to(dt) * signs.to(device=y.device, dtype=dt)) * _scale(d)
 
 
+def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """The dense (d, d) fp32 matrix ``R`` of :func:`rotate_rows` (``x @ R``; ``R^T`` undoes it), on ``signs``'s
+    device: the rows of ``R`` are the rotated unit vectors."""
+    d = signs.shape[-1]
+    return rotate_rows(torch.eye(d, device=signs.device, dtype=torch.float32), signs)
+
+
+def rotate_query_dense(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_query` as one fp32 matrix product with ``r = rotation_matrix(signs)`` (the decode
+    wrapper's path: three kernels instead of the butterflies' dozens; equal up to fp32 rounding, or TF32's when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set)."""
+    return (q.float() @ r).to(q.dtype)
+
+
+def unrotate_output_dense(o: torch.Tensor, r: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`unrotate_output` as one fp32 matrix product with ``r = rotation_matrix(signs)``."""
+    y = (o.float() @ r.transpose(0, 1)).to(o.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
 def rotate_query(q: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Queries in the rotated basis of a cache with ``rotate=True``, in q's dtype: ``(q R)`` so that
     ``(q R) · (k R) = q · k``. The pre-step of ``qattn.flash_attn_with_kvcache`` on a rotated cache."""

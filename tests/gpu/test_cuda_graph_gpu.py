@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import qattn
+from qattn.quant.transforms import rotate_query, unrotate_rows
 from qattn.reference import paged_decode_reference, write_kv_reference
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +87,11 @@ def test_decode_step_graph_replay(fmt, rotate):
         for name in ("k_data", "v_data", "k_scale_pool", "v_scale_pool"):  # the kernel wrote the reference bytes
             a, b = getattr(lay, name), getattr(ref_lay, name)
             assert (a is None and b is None) or torch.equal(a, b), (it, name)
-        ref = paged_decode_reference(q, shadow, lens_now, table)
+        if rotate:  # attention of the caller's q over the unrotated K, V: q R against K R, output R^T
+            s = shadow.rotation_signs
+            ref = unrotate_rows(paged_decode_reference(rotate_query(q, s), shadow, lens_now, table), s)
+        else:
+            ref = paged_decode_reference(q, shadow, lens_now, table)
         err = float((out.double() - ref).norm() / ref.norm())
         assert err <= 1e-2, (it, err)
         lens.add_(1)  # in place: the captured graph reads the new lengths on the next replay

@@ -150,3 +150,21 @@ def test_rotation_scale_scalar_equals_the_rounded_constant(dtype):
         x = torch.randn(7, d, dtype=dtype, generator=torch.Generator().manual_seed(d))
         s = rotation_signs(d, 3).to(dtype)
         assert torch.equal(rotate_rows(x, s), (_fwht(x) * s) * _scale_const(d, dtype))
+
+
+def test_dense_rotation_matches_the_butterflies():
+    """Decode's dense q / output rotation (one fp32 matrix product) equals rotate_query / unrotate_output up to
+    fp32 rounding, and R is orthogonal."""
+    from qattn.quant.transforms import (rotate_query, rotate_query_dense, rotation_matrix, rotation_signs,
+                                        unrotate_output, unrotate_output_dense)
+
+    for d in (64, 128):
+        s = rotation_signs(d, 5)
+        r = rotation_matrix(s)
+        assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-6)
+        q = torch.randn(3, 2, 8, d, generator=torch.Generator().manual_seed(d))
+        assert torch.allclose(rotate_query_dense(q, r), rotate_query(q, s), rtol=0, atol=1e-5)
+        out = torch.empty_like(q)
+        assert unrotate_output_dense(q, r, out) is out
+        assert torch.allclose(out, unrotate_output(q, s), rtol=0, atol=1e-5)
+        assert torch.allclose(unrotate_output_dense(rotate_query_dense(q, r), r), q, atol=1e-5)
