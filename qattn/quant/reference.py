@@ -38,6 +38,7 @@ __all__ = [
     "e4m3_decode",
     "ue8m0_decode",
     "mx_shared_exponent",
+    "SCALE_SEARCHES",
     "quantize",
     "dequantize",
     "fake_quantize",
@@ -213,6 +214,84 @@ def mx_shared_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
+# encoder-side block-scale search (the stored format is unchanged)
+# --------------------------------------------------------------------------------------------------
+SCALE_SEARCHES = ("mse", "mse46", "msenb", "msewide")
+"""Names of the block-scale searches :func:`quantize` takes as ``scale_search`` (None: the format's plain rule).
+
+``"mse"`` is the proposed rule (4 NVFP4 candidates, 2 MX candidates, see :func:`quantize`); ``"mse46"`` and
+``"msenb"`` are its NVFP4 subsets (default + 4/6; default + neighbours) and ``"msewide"`` is an exploration upper
+bound with many candidates, not meant for a kernel."""
+
+
+def _block_sse(xb: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """Squared error of each block in fp32, summed in a fixed order: ``e = x - deq`` (RN), ``sq = e * e`` (RN, no
+    FMA), then a halving tree over the block: ``sq[i] += sq[i + n/2]`` for ``i < n/2``, repeated down to one value
+    (the order of a shuffle-down / xor reduction; every addition is one RN fp32 add, so the result is bit-exact on
+    any device)."""
+    e = xb - deq
+    sq = e * e
+    n = sq.shape[-1]
+    while n > 1:
+        n //= 2
+        sq = sq[..., :n] + sq[..., n:2 * n]
+    return sq[..., 0]
+
+
+def _nvfp4_dequant_blocks(xb: torch.Tensor, s_byte: torch.Tensor, gb: torch.Tensor):
+    """Codes and dequantized values of blocks ``xb`` (..., nb, blk) with E4M3 scale bytes ``s_byte`` (..., nb)."""
+    s_f = e4m3_decode(s_byte)
+    inv = _safe_reciprocal(s_f * gb)
+    codes = e2m1_encode(xb * inv.unsqueeze(-1))
+    deq = (e2m1_decode(codes) * s_f.unsqueeze(-1)) * gb.unsqueeze(-1)
+    return codes, deq
+
+
+def _nvfp4_candidates(amax: torch.Tensor, gb: torch.Tensor, search: str) -> list[torch.Tensor]:
+    """Candidate E4M3 scale bytes (each (..., nb) uint8), in tie-break order (the first is the default rule's)."""
+    s0 = e4m3_encode(amax / (gb * E2M1_MAX))  # today's rule: RN of amax / (6 g)
+    s46 = e4m3_encode(amax / (gb * 4.0))  # "4 over 6": the block max maps onto E2M1 4
+    b = s0.to(torch.int16)
+    # E4M3 bytes 0x00..0x7E are the non-negative finite values in increasing order (0x7F is NaN): the neighbours of
+    # a byte are byte -+ 1, clamped to that range.
+    nb = lambda k: (b + k).clamp(0, 0x7E).to(torch.uint8)  # noqa: E731
+    if search == "mse":
+        return [s0, s46, nb(-1), nb(1)]
+    if search == "mse46":
+        return [s0, s46]
+    if search == "msenb":
+        return [s0, nb(-1), nb(1)]
+    if search == "msewide":
+        return [s0, s46] + [nb(k) for k in range(-8, 9) if k]
+    raise ValueError(f"scale_search: expected None or one of {SCALE_SEARCHES}, got {search!r}")
+
+
+def _mx_candidates(amax: torch.Tensor, rule: str, search: str) -> list[torch.Tensor]:
+    """Candidate MX exponents (int32 (..., nb)), in tie-break order: the format rule's exponent first, then the
+    other one of {floor, floor + 1} (rceil is always one of these two)."""
+    e_rule = _mx_exponent(amax, rule)
+    e_f = _mx_exponent(amax, "floor")
+    e_f1 = (e_f + 1).clamp(max=125)
+    other = torch.where(e_rule == e_f, e_f1, e_f)
+    if search in ("mse", "mse46", "msenb"):
+        return [e_rule, other]
+    if search == "msewide":
+        return [e_rule, other, (e_f - 1).clamp(min=-127), (e_f + 2).clamp(max=125)]
+    raise ValueError(f"scale_search: expected None or one of {SCALE_SEARCHES}, got {search!r}")
+
+
+def _pick(cands: list[torch.Tensor], sses: list[torch.Tensor]):
+    """Sequential argmin: candidate c replaces the best so far only if its SSE is strictly smaller (ties keep the
+    earlier candidate; NaN never wins)."""
+    best, best_sse = cands[0], sses[0]
+    for c, e in zip(cands[1:], sses[1:]):
+        take = e < best_sse
+        best = torch.where(take, c, best)
+        best_sse = torch.where(take, e, best_sse)
+    return best, best_sse
+
+
+# --------------------------------------------------------------------------------------------------
 # format quantization
 # --------------------------------------------------------------------------------------------------
 def _resolve_format(fmt) -> KVFormat:
@@ -257,7 +336,7 @@ def _global_scale(global_scale, fmt: KVFormat, lead: tuple, device, check: bool)
     return g
 
 
-def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True):
+def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True, scale_search: str | None = None):
     """Quantize rows ``x`` (..., head_dim) to format ``fmt``; returns ``(payload, scales)``.
 
     ``fmt`` is a format name or a :class:`KVFormat` (not a pair). ``amax`` below is ``max |x|`` over the
@@ -277,6 +356,22 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True):
       ``codes = e2m1_encode(x * 2**-e)`` (an exact power-of-two scaling); payload packed uint8 (..., D/2),
       ``scales = e + 127`` uint8 (..., D/block).
 
+    ``scale_search`` (FP4 formats only; None = the plain rule above) is an *encoder-side* block-scale search: the
+    stored bytes keep their meaning and every decoder reads them unchanged. Per block, each candidate scale is
+    applied exactly as above (``codes = e2m1_encode(x * inv)``), the block is dequantized exactly as
+    :func:`dequantize` does (nvfp4 ``(e2m1 * s_f) * g``, MX ``e2m1 * 2**e``), its squared error is summed in fp32
+    in a fixed order (``e = x - deq``; ``e * e``; halving tree ``sq[i] += sq[i + n/2]``, no FMA), and the
+    candidate with the smallest SSE wins; ties (and NaN) keep the earlier candidate. ``"mse"`` (the proposed rule):
+
+    * nvfp4, 4 candidates in this order: ``s0 = e4m3_encode(amax / (g * 6))`` (the plain rule),
+      ``s46 = e4m3_encode(amax / (g * 4))`` (block max onto E2M1 4), then the E4M3 neighbours of ``s0``:
+      byte ``s0 - 1`` and ``s0 + 1``, clamped to [0x00, 0x7E] (duplicates are harmless).
+    * MX, 2 candidates: the format rule's exponent (``mx_shared_exponent(amax, fmt.scale_rule)``), then the other
+      one of {floor, floor + 1} (floor + 1 clamped to 125).
+
+    The chosen scale never has a larger block SSE than the plain rule's. ``"mse46"``, ``"msenb"`` and
+    ``"msewide"`` are experimental candidate sets (see :data:`SCALE_SEARCHES`).
+
     With ``check=True`` the values of ``x`` (no NaN/Inf) and of ``global_scale`` (finite, > 0) are checked;
     ``check=False`` skips only these value scans (they synchronise a GPU). Type and shape checks always run.
     """
@@ -293,6 +388,11 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True):
     if check and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x: contains NaN or Inf")
 
+    if scale_search is not None:
+        if scale_search not in SCALE_SEARCHES:
+            raise ValueError(f"scale_search: expected None or one of {SCALE_SEARCHES}, got {scale_search!r}")
+        if fmt.payload != "e2m1":
+            raise ValueError(f"scale_search: only FP4 formats take a scale search, not {fmt.name!r}")
     if fmt.payload == "bf16":
         return x.to(torch.bfloat16), None
 
@@ -311,13 +411,26 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True):
     amax = xb.abs().amax(-1)  # (..., nb)
     if fmt.scale_rule == "nvfp4":
         gb = g.expand(lead).unsqueeze(-1)  # (..., 1) against (..., nb)
-        t = amax / (gb * E2M1_MAX)
-        s_byte = e4m3_encode(t)
+        if scale_search is None:
+            t = amax / (gb * E2M1_MAX)
+            s_byte = e4m3_encode(t)
+        else:
+            cands = _nvfp4_candidates(amax, gb, scale_search)
+            sses = [_block_sse(xb, _nvfp4_dequant_blocks(xb, c, gb)[1]) for c in cands]
+            s_byte, _ = _pick(cands, sses)
         inv = _safe_reciprocal(e4m3_decode(s_byte) * gb)
         codes = e2m1_encode(xb * inv.unsqueeze(-1))
         scales = s_byte
     else:  # MX: power-of-two scale
-        e = _mx_exponent(amax, fmt.scale_rule)
+        if scale_search is None:
+            e = _mx_exponent(amax, fmt.scale_rule)
+        else:
+            cands = _mx_candidates(amax, fmt.scale_rule, scale_search)
+            sses = []
+            for c in cands:
+                p2 = _pow2(c).unsqueeze(-1)
+                sses.append(_block_sse(xb, e2m1_decode(e2m1_encode(xb * _pow2(-c).unsqueeze(-1))) * p2))
+            e, _ = _pick(cands, sses)
         codes = e2m1_encode(xb * _pow2(-e).unsqueeze(-1))
         scales = (e + 127).to(torch.uint8)
     return pack_e2m1(codes.reshape(*lead, D)), scales
@@ -374,8 +487,9 @@ def dequantize(payload: torch.Tensor, scales, fmt, global_scale=None, dtype: tor
     return out.reshape(*lead, D).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, fmt, global_scale=None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``dequantize(*quantize(x, fmt, global_scale), fmt, global_scale, dtype)``: what a kernel reading the
-    cache sees, in fp32 by default."""
-    payload, scales = quantize(x, fmt, global_scale)
+def fake_quantize(x: torch.Tensor, fmt, global_scale=None, *, dtype: torch.dtype = torch.float32,
+                  scale_search: str | None = None) -> torch.Tensor:
+    """``dequantize(*quantize(x, fmt, global_scale, scale_search=...), fmt, global_scale, dtype)``: what a kernel
+    reading the cache sees, in fp32 by default."""
+    payload, scales = quantize(x, fmt, global_scale, scale_search=scale_search)
     return dequantize(payload, scales, fmt, global_scale, dtype=dtype)
