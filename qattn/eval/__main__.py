@@ -16,7 +16,9 @@ def main(argv=None) -> int:
     p.add_argument("--grid", default="full", help="named grid: full (default, docs/accuracy.md) | quick | extra | sink | cross (ignored when --config is "
                         "given)")
     p.add_argument("--config", action="append", default=[],
-                   help="config spec K[/V][+s][+r][@W][^N][~bf16], e.g. 'int8/nvfp4+s+r@64', 'mxfp4:rceil+r', "
+                   help="config spec K[/V][+s][+r][@W][^N][%%G][~bf16], e.g. 'int8/nvfp4+s+r@64', 'mxfp4:rceil+r', "
+                        "'nvfp4:mse+r' (block-scale search), 'nvfp4+r%%pow2' (NVFP4 global-scale policy: max, pow2, "
+                        "pNN, srch), "
                         "'nvfp4+r@64^1'; repeatable. "
                         "'none' and 'bf16' are always run first")
     p.add_argument("--tokens", type=int, default=2048, help="evaluate the first N tokens of the text (0 = all)")

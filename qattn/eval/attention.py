@@ -29,13 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from ..layouts.formats import KVFormat, kv_format
-from ..quant.reference import E2M1_MAX, E4M3_MAX, fake_quantize
+from ..quant.reference import E2M1_MAX, E4M3_MAX, SCALE_SEARCHES, fake_quantize
 from ..quant.transforms import rotate, smooth_keys, unrotate
 
 __all__ = [
     "KVQuantConfig",
     "LayerQuant",
     "parse_format",
+    "parse_format_search",
+    "GLOBAL_POLICIES",
     "format_label",
     "windowed_attention",
     "quantized_attention",
@@ -47,35 +49,61 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # configuration
 # --------------------------------------------------------------------------------------------------
-_FMT_RE = re.compile(r"^(bf16|fp8|int8|nvfp4|mxfp4|mxfp4_b16)(?::(floor|rceil))?$")
+_FMT_RE = re.compile(r"^(bf16|fp8|int8|nvfp4|mxfp4|mxfp4_b16)(?::(floor|rceil))?(?::(" + "|".join(SCALE_SEARCHES)
+                     + r"))?$")
+
+
+def parse_format_search(spec: str | None) -> tuple[KVFormat | None, str | None]:
+    """:func:`parse_format` plus the encoder's block-scale search (``quantize(..., scale_search=)``): an optional
+    last field ``:mse`` (or another name of ``SCALE_SEARCHES``), FP4 formats only: ``"nvfp4:mse"``,
+    ``"mxfp4:mse"`` (rceil first in the tie-break), ``"mxfp4:floor:mse"``."""
+    if spec is None or spec == "none":
+        return None, None
+    m = _FMT_RE.match(spec)
+    if not m:
+        raise ValueError(f"unknown KV format spec {spec!r}")
+    fmt = kv_format(m.group(1), scale_rule=m.group(2))
+    if m.group(3) and fmt.payload != "e2m1":
+        raise ValueError(f"KV format spec {spec!r}: only FP4 formats take a scale search")
+    return fmt, m.group(3)
 
 
 def parse_format(spec: str | None) -> KVFormat | None:
     """``"none"``/None (unquantized), ``"bf16"``, ``"fp8"``, ``"int8"``, ``"nvfp4"``, ``"mxfp4"``,
-    ``"mxfp4_b16"``, with an optional MX scale rule: ``"mxfp4:rceil"``, ``"mxfp4_b16:floor"``."""
-    if spec is None or spec == "none":
-        return None
-    m = _FMT_RE.match(spec)
-    if not m:
-        raise ValueError(f"unknown KV format spec {spec!r}")
-    return kv_format(m.group(1), scale_rule=m.group(2))
+    ``"mxfp4_b16"``, with an optional MX scale rule: ``"mxfp4:rceil"``, ``"mxfp4_b16:floor"`` (and an optional
+    scale search, see :func:`parse_format_search`, which this ignores)."""
+    return parse_format_search(spec)[0]
 
 
-def format_label(fmt: KVFormat | None) -> str:
-    """Short label: ``none``, ``nvfp4``, ``mxfp4-floor-b32``, ``mxfp4-rceil-b16`` ..."""
+def format_label(fmt: KVFormat | None, search: str | None = None) -> str:
+    """Short label: ``none``, ``nvfp4``, ``mxfp4-floor-b32``, ``mxfp4-rceil-b16``, ``nvfp4-mse`` ..."""
     if fmt is None:
         return "none"
     if fmt.payload == "e2m1" and fmt.scale_rule in ("floor", "rceil"):
-        return f"mxfp4-{fmt.scale_rule}-b{fmt.scale_block}"
-    return fmt.name
+        lab = f"mxfp4-{fmt.scale_rule}-b{fmt.scale_block}"
+    else:
+        lab = fmt.name
+    return lab + (f"-{search}" if search else "")
 
 
-def _format_spec(fmt: KVFormat | None) -> str:
+def _format_spec(fmt: KVFormat | None, search: str | None = None) -> str:
     if fmt is None:
         return "none"
-    if fmt.scale_rule in ("floor", "rceil"):
-        return f"{fmt.name}:{fmt.scale_rule}"
-    return fmt.name
+    s = f"{fmt.name}:{fmt.scale_rule}" if fmt.scale_rule in ("floor", "rceil") else fmt.name
+    return s + (f":{search}" if search else "")
+
+
+GLOBAL_POLICIES_DOC = """NVFP4 global-scale policies (spec suffix ``%POLICY``; per (layer, kv head), over the calibration rows):
+
+* ``max`` (default): ``g = amax / (6 * 448)``.
+* ``pow2``: ``g`` rounded up to a power of two (``2**ceil(log2(amax / 2688))``): nothing saturates more than with
+  ``max``, and ``s_f * g`` is an E4M3 value times a power of two.
+* ``pNN`` (e.g. ``p99``, ``p99.9``): ``g = q / (6 * 448)`` with ``q`` the NN-th percentile of the per-block amax
+  (blocks above ``q`` saturate their block scale at 448).
+* ``srch``: ``g = g_max * 2**(k / 8)`` for the ``k`` in 0..7 with the smallest total squared error of the
+  calibration rows encoded with the config's block rule (ties: the smallest ``k``).
+"""
+GLOBAL_POLICIES = ("max", "pow2", "srch", "pNN")
 
 
 @dataclass(frozen=True)
@@ -99,11 +127,15 @@ class KVQuantConfig:
     seed: int = 0
     sink: int = 0
     unquantized_dtype: str = "fp32"
+    gscale: str = "max"
 
     def __post_init__(self) -> None:
         parse_format(self.k), parse_format(self.v)
         if self.window < 0 or self.sink < 0:
             raise ValueError("window must be >= 0")
+        if not re.match(r"^(max|pow2|srch|p\d+(\.\d+)?)$", self.gscale) or (
+                self.gscale.startswith("p") and self.gscale != "pow2" and not 0 < float(self.gscale[1:]) <= 100):
+            raise ValueError(f"gscale: expected max, pow2, srch or pNN (0 < NN <= 100), got {self.gscale!r}")
         if self.unquantized_dtype not in ("fp32", "bf16"):
             raise ValueError(f"unquantized_dtype: expected 'fp32' or 'bf16', got {self.unquantized_dtype!r}")
 
@@ -116,18 +148,27 @@ class KVQuantConfig:
         return parse_format(self.v)
 
     @property
+    def k_search(self) -> str | None:
+        return parse_format_search(self.k)[1]
+
+    @property
+    def v_search(self) -> str | None:
+        return parse_format_search(self.v)[1]
+
+    @property
     def quantized(self) -> bool:
         return self.k_format is not None or self.v_format is not None
 
     @property
     def formats_label(self) -> str:
-        kl, vl = format_label(self.k_format), format_label(self.v_format)
-        return kl if kl == vl else f"{kl} K / {vl} V"
+        kl, vl = format_label(self.k_format, self.k_search), format_label(self.v_format, self.v_search)
+        s = kl if kl == vl else f"{kl} K / {vl} V"
+        return s + (f", g {self.gscale}" if self.gscale != "max" else "")
 
     @property
     def name(self) -> str:
-        """The spec string :meth:`parse` takes back: ``K[/V][+s][+r][@W][^N][~bf16]``."""
-        ks, vs = _format_spec(self.k_format), _format_spec(self.v_format)
+        """The spec string :meth:`parse` takes back: ``K[/V][+s][+r][@W][^N][%G][~bf16]``."""
+        ks, vs = _format_spec(self.k_format, self.k_search), _format_spec(self.v_format, self.v_search)
         s = ks if ks == vs else f"{ks}/{vs}"
         if self.smooth:
             s += "+s"
@@ -137,6 +178,8 @@ class KVQuantConfig:
             s += f"@{self.window}"
         if self.sink:
             s += f"^{self.sink}"
+        if self.gscale != "max":
+            s += f"%{self.gscale}"
         if self.unquantized_dtype != "fp32":
             s += f"~{self.unquantized_dtype}"
         return s
@@ -144,10 +187,12 @@ class KVQuantConfig:
     @classmethod
     def parse(cls, spec: str, seed: int = 0) -> "KVQuantConfig":
         """``"nvfp4"``, ``"int8/nvfp4+s+r@64"``, ``"mxfp4:rceil+r"``, ``"mxfp4_b16@32"``, ``"nvfp4^4"``,
-        ``"nvfp4+r@64^1~bf16"``, ``"none"``."""
-        m = re.match(r"^([^+@^~]+)((?:\+[sr])*)(?:@(\d+))?(?:\^(\d+))?(?:~(bf16|fp32))?$", spec.strip())
+        ``"nvfp4+r@64^1~bf16"``, ``"nvfp4:mse+r"`` (block-scale search), ``"nvfp4+r%pow2"`` (NVFP4 global-scale
+        policy, see ``GLOBAL_POLICIES_DOC``), ``"none"``."""
+        m = re.match(r"^([^+@^~%]+)((?:\+[sr])*)(?:@(\d+))?(?:\^(\d+))?(?:%([a-z0-9.]+))?(?:~(bf16|fp32))?$",
+                     spec.strip())
         if not m:
-            raise ValueError(f"bad config spec {spec!r}; expected K[/V][+s][+r][@W][^N][~bf16]")
+            raise ValueError(f"bad config spec {spec!r}; expected K[/V][+s][+r][@W][^N][%G][~bf16]")
         fmts = m.group(1).split("/")
         if len(fmts) > 2:
             raise ValueError(f"bad config spec {spec!r}")
@@ -156,7 +201,7 @@ class KVQuantConfig:
         flags = m.group(2)
         return cls(k=None if k == "none" else k, v=None if v == "none" else v, smooth="+s" in flags,
                    rotate="+r" in flags, window=int(m.group(3) or 0), seed=seed,
-                   sink=int(m.group(4) or 0), unquantized_dtype=m.group(5) or "fp32")
+                   sink=int(m.group(4) or 0), gscale=m.group(5) or "max", unquantized_dtype=m.group(6) or "fp32")
 
 
 @dataclass
@@ -169,14 +214,40 @@ class LayerQuant:
     v_global: torch.Tensor | None = None  # (Hkv,) fp32 NVFP4 global scale of (transformed) values
 
 
-def nvfp4_global_scale(x: torch.Tensor, head_dim_axis: int = -1, head_axis: int = 0) -> torch.Tensor:
-    """Per-kv-head NVFP4 global (decode) scale ``amax / (6 * 448)`` of calibration rows ``x``.
+def nvfp4_global_scale(x: torch.Tensor, head_dim_axis: int = -1, head_axis: int = 0, policy: str = "max",
+                       scale_search: str | None = None) -> torch.Tensor:
+    """Per-kv-head NVFP4 global (decode) scale of calibration rows ``x``; default ``amax / (6 * 448)``.
 
-    ``x`` is e.g. (Hkv, tokens, D); returns (Hkv,) fp32; an all-zero head gets 1.0.
+    ``x`` is e.g. (Hkv, tokens, D) (``head_dim_axis`` must be the last); returns (Hkv,) fp32; an all-zero head
+    gets 1.0. ``policy``: see ``GLOBAL_POLICIES_DOC`` (``scale_search`` is the block rule ``srch`` scores with).
     """
     xh = x.movedim(head_axis, 0).float()
-    amax = xh.abs().reshape(xh.shape[0], -1).amax(-1)
-    g = amax / torch.tensor(E2M1_MAX * E4M3_MAX)
+    H = xh.shape[0]
+    amax = xh.abs().reshape(H, -1).amax(-1)
+    div = torch.tensor(E2M1_MAX * E4M3_MAX)
+    g = amax / div
+    if policy == "pow2":
+        g = torch.exp2(torch.ceil(torch.log2(g)))
+        g = torch.where(g * div < amax, g * 2, g)  # guard against log2 rounding
+    elif policy.startswith("p") and policy != "pow2":
+        bam = xh.abs().reshape(H, -1, 16).amax(-1)  # per-block (16) amax
+        qv = torch.quantile(bam.double(), float(policy[1:]) / 100.0, dim=-1).float()
+        g = torch.where(qv > 0, qv / div, g)
+    elif policy == "srch":
+        rows = xh.reshape(H, -1, xh.shape[-1]).transpose(0, 1)  # (N, H, D)
+        best_g, best_e = g.clone(), None
+        for k in range(8):
+            gk = g * (2.0 ** (k / 8))
+            err = ((fake_quantize(rows, "nvfp4", torch.where(amax > 0, gk, torch.ones_like(gk)),
+                                  scale_search=scale_search) - rows) ** 2).double().sum((0, 2))
+            if best_e is None:
+                best_e = err
+            else:
+                take = err < best_e
+                best_g, best_e = torch.where(take, gk, best_g), torch.where(take, err, best_e)
+        g = best_g
+    elif policy != "max":
+        raise ValueError(f"policy: unknown NVFP4 global-scale policy {policy!r}")
     return torch.where(amax > 0, g, torch.ones_like(g))
 
 
@@ -236,12 +307,12 @@ def windowed_attention(q: torch.Tensor, k_quant: torch.Tensor, v_quant: torch.Te
     return out
 
 
-def _fq(x: torch.Tensor, fmt: KVFormat | None, g: torch.Tensor | None) -> torch.Tensor:
+def _fq(x: torch.Tensor, fmt: KVFormat | None, g: torch.Tensor | None, search: str | None = None) -> torch.Tensor:
     """Fake-quantize (Hkv, S, D) rows through the reference encoder (rows = token-head)."""
     if fmt is None:
         return x
     gs = g if fmt.has_global_scale else None
-    y = fake_quantize(x.transpose(0, 1), fmt, gs, dtype=torch.float32).transpose(0, 1)
+    y = fake_quantize(x.transpose(0, 1), fmt, gs, dtype=torch.float32, scale_search=search).transpose(0, 1)
     return y.to(x.dtype)
 
 
@@ -262,8 +333,8 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lq: L
         k = smooth_keys(k, lq.k_mean[:, None, :]).to(q.dtype)
     if cfg.rotate:
         q, k, v = (rotate(t, cfg.seed).to(t.dtype) for t in (q, k, v))
-    kq = _fq(k, kf, lq.k_global)
-    vq = _fq(v, vf, lq.v_global)
+    kq = _fq(k, kf, lq.k_global, cfg.k_search)
+    vq = _fq(v, vf, lq.v_global, cfg.v_search)
     if cfg.unquantized_dtype == "bf16":  # the window / sink rows as the cache's ring and sink hold them
         k, v = k.to(torch.bfloat16).to(q.dtype), v.to(torch.bfloat16).to(q.dtype)
     out = windowed_attention(q, kq, vq, k, v, cfg.window, scale, sink=cfg.sink)

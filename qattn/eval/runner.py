@@ -72,9 +72,9 @@ def layer_quants(cfg: KVQuantConfig, cal: Calibration | None) -> list[LayerQuant
         if cfg.rotate:
             kt, vt = rotate(kt, cfg.seed), rotate(vt, cfg.seed)
         if kf is not None and kf.has_global_scale:
-            lq.k_global = nvfp4_global_scale(kt)
+            lq.k_global = nvfp4_global_scale(kt, policy=cfg.gscale, scale_search=cfg.k_search)
         if vf is not None and vf.has_global_scale:
-            lq.v_global = nvfp4_global_scale(vt)
+            lq.v_global = nvfp4_global_scale(vt, policy=cfg.gscale, scale_search=cfg.v_search)
         out.append(lq)
     return out
 

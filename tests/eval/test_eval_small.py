@@ -257,3 +257,55 @@ def test_smollm2_text_length(smollm2):
     _, tok = smollm2
     assert TEXT_PATH.stat().st_size < 40_000
     assert load_text_ids(tok).numel() >= 2000
+
+
+def test_scale_search_and_global_policy_specs():
+    for spec in ("nvfp4:mse", "nvfp4:mse+r", "mxfp4:mse+s+r@64^1", "mxfp4:floor:mse", "mxfp4_b16:rceil:msewide+r",
+                 "int8/nvfp4:mse+r", "nvfp4:mse46+r%pow2", "nvfp4+r%p99.9", "nvfp4:mse+r@64^1%srch~bf16"):
+        c = KVQuantConfig.parse(spec)
+        c2 = KVQuantConfig.parse(c.name)
+        assert c2.name == c.name and (c2.k_format, c2.k_search, c2.v_format, c2.v_search, c2.gscale) == (
+            c.k_format, c.k_search, c.v_format, c.v_search, c.gscale), spec
+    c = KVQuantConfig.parse("int8/nvfp4:mse+r%srch")
+    assert (c.k_search, c.v_search, c.gscale, c.v_format.name) == (None, "mse", "srch", "nvfp4")
+    assert c.formats_label == "int8 K / nvfp4-mse V, g srch"
+    c = KVQuantConfig.parse("mxfp4:floor:mse")
+    assert (c.k_format.scale_rule, c.k_search) == ("floor", "mse")
+    assert KVQuantConfig.parse("nvfp4").k_search is None and KVQuantConfig.parse("nvfp4").gscale == "max"
+    for bad in ("int8:mse", "nvfp4:floor", "nvfp4:mse:floor", "nvfp4%p0", "nvfp4%bogus", "nvfp4:mse2"):
+        with pytest.raises(ValueError):
+            KVQuantConfig.parse(bad)
+
+
+def test_quantized_attention_uses_scale_search():
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(4, S, 64, generator=g)
+    k, v = torch.randn(2, S, 64, generator=g), torch.randn(2, S, 64, generator=g)
+    vg = torch.tensor([0.002, 0.003])
+    lq = LayerQuant(KVQuantConfig.parse("mxfp4/nvfp4:mse"), v_global=vg)
+    kq = fake_quantize(k.transpose(0, 1), "mxfp4").transpose(0, 1)
+    vq = fake_quantize(v.transpose(0, 1), "nvfp4", vg, scale_search="mse").transpose(0, 1)
+    assert torch.equal(quantized_attention(q, k, v, lq, 0.125), reference_attention(q, kq, vq, 0.125))
+    lq0 = LayerQuant(KVQuantConfig.parse("mxfp4/nvfp4"), v_global=vg)
+    assert not torch.equal(quantized_attention(q, k, v, lq0, 0.125), quantized_attention(q, k, v, lq, 0.125))
+
+
+def test_nvfp4_global_scale_policies():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 50, 64, generator=g)
+    x[1] *= 0.01
+    x[2] = 0.0
+    gmax = nvfp4_global_scale(x)
+    torch.testing.assert_close(gmax[:2], x[:2].abs().amax((1, 2)) / 2688)
+    p2 = nvfp4_global_scale(x, policy="pow2")
+    assert bool((p2[:2] >= gmax[:2]).all()) and bool((p2[:2] < 2 * gmax[:2]).all())
+    assert torch.equal(torch.frexp(p2[:2]).mantissa, torch.full((2,), 0.5))
+    p99 = nvfp4_global_scale(x, policy="p99")
+    assert bool((p99[:2] <= gmax[:2]).all())
+    torch.testing.assert_close(nvfp4_global_scale(x, policy="p100"), gmax)
+    sr = nvfp4_global_scale(x, policy="srch", scale_search="mse")
+    ratio = torch.log2(sr[:2] / gmax[:2]) * 8
+    assert bool((ratio >= -1e-3).all()) and bool((ratio < 7.01).all())
+    assert torch.equal(sr[2], torch.tensor(1.0)) and torch.equal(p2[2], torch.tensor(1.0))  # all-zero head
+    with pytest.raises(ValueError):
+        nvfp4_global_scale(x, policy="bogus")
