@@ -100,10 +100,13 @@ GLOBAL_POLICIES_DOC = """NVFP4 global-scale policies (spec suffix ``%POLICY``; p
   ``max``, and ``s_f * g`` is an E4M3 value times a power of two.
 * ``pNN`` (e.g. ``p99``, ``p99.9``): ``g = q / (6 * 448)`` with ``q`` the NN-th percentile of the per-block amax
   (blocks above ``q`` saturate their block scale at 448).
+* ``sK`` (K in 0..7, a sensitivity probe): ``g = g_max * 2**(K / 8)``, i.e. the ``max`` policy shifted by a
+  fraction of an octave (nothing saturates more); the spread of results over K measures how much the E4M3
+  rounding of the block scales alone moves a config.
 * ``srch``: ``g = g_max * 2**(k / 8)`` for the ``k`` in 0..7 with the smallest total squared error of the
   calibration rows encoded with the config's block rule (ties: the smallest ``k``).
 """
-GLOBAL_POLICIES = ("max", "pow2", "srch", "pNN")
+GLOBAL_POLICIES = ("max", "pow2", "srch", "pNN", "sK")
 
 
 @dataclass(frozen=True)
@@ -133,9 +136,10 @@ class KVQuantConfig:
         parse_format(self.k), parse_format(self.v)
         if self.window < 0 or self.sink < 0:
             raise ValueError("window must be >= 0")
-        if not re.match(r"^(max|pow2|srch|p\d+(\.\d+)?)$", self.gscale) or (
+        if not re.match(r"^(max|pow2|srch|s[0-7]|p\d+(\.\d+)?)$", self.gscale) or (
                 self.gscale.startswith("p") and self.gscale != "pow2" and not 0 < float(self.gscale[1:]) <= 100):
-            raise ValueError(f"gscale: expected max, pow2, srch or pNN (0 < NN <= 100), got {self.gscale!r}")
+            raise ValueError(f"gscale: expected max, pow2, srch, sK (K in 0..7) or pNN (0 < NN <= 100), got "
+                             f"{self.gscale!r}")
         if self.unquantized_dtype not in ("fp32", "bf16"):
             raise ValueError(f"unquantized_dtype: expected 'fp32' or 'bf16', got {self.unquantized_dtype!r}")
 
@@ -233,6 +237,8 @@ def nvfp4_global_scale(x: torch.Tensor, head_dim_axis: int = -1, head_axis: int 
         bam = xh.abs().reshape(H, -1, 16).amax(-1)  # per-block (16) amax
         qv = torch.quantile(bam.double(), float(policy[1:]) / 100.0, dim=-1).float()
         g = torch.where(qv > 0, qv / div, g)
+    elif len(policy) == 2 and policy[0] == "s" and policy[1] in "01234567":
+        g = g * (2.0 ** (int(policy[1]) / 8))
     elif policy == "srch":
         rows = xh.reshape(H, -1, xh.shape[-1]).transpose(0, 1)  # (N, H, D)
         best_g, best_e = g.clone(), None

@@ -216,12 +216,14 @@ def mx_shared_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # encoder-side block-scale search (the stored format is unchanged)
 # --------------------------------------------------------------------------------------------------
-SCALE_SEARCHES = ("mse", "mse46", "msenb", "msewide")
+SCALE_SEARCHES = ("mse", "mse46", "msenb", "mseup", "msewide")
 """Names of the block-scale searches :func:`quantize` takes as ``scale_search`` (None: the format's plain rule).
 
-``"mse"`` is the proposed rule (4 NVFP4 candidates, 2 MX candidates, see :func:`quantize`); ``"mse46"`` and
-``"msenb"`` are its NVFP4 subsets (default + 4/6; default + neighbours) and ``"msewide"`` is an exploration upper
-bound with many candidates, not meant for a kernel."""
+``"mse"`` is the proposed rule (4 NVFP4 candidates, 2 MX candidates, see :func:`quantize`); ``"mse46"``,
+``"msenb"`` and ``"mseup"`` are its NVFP4 subsets (default + 4/6; default + both neighbours; default + 4/6 + the
+upper neighbour, i.e. no candidate that clips the block max more than the default) and ``"msewide"`` is an
+exploration upper bound with many candidates, not meant for a kernel. For MX all but ``"msewide"`` are the same
+two candidates."""
 
 
 def _block_sse(xb: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
@@ -261,6 +263,8 @@ def _nvfp4_candidates(amax: torch.Tensor, gb: torch.Tensor, search: str) -> list
         return [s0, s46]
     if search == "msenb":
         return [s0, nb(-1), nb(1)]
+    if search == "mseup":
+        return [s0, s46, nb(1)]
     if search == "msewide":
         return [s0, s46] + [nb(k) for k in range(-8, 9) if k]
     raise ValueError(f"scale_search: expected None or one of {SCALE_SEARCHES}, got {search!r}")
@@ -273,7 +277,7 @@ def _mx_candidates(amax: torch.Tensor, rule: str, search: str) -> list[torch.Ten
     e_f = _mx_exponent(amax, "floor")
     e_f1 = (e_f + 1).clamp(max=125)
     other = torch.where(e_rule == e_f, e_f1, e_f)
-    if search in ("mse", "mse46", "msenb"):
+    if search in ("mse", "mse46", "msenb", "mseup"):
         return [e_rule, other]
     if search == "msewide":
         return [e_rule, other, (e_f - 1).clamp(min=-127), (e_f + 2).clamp(max=125)]

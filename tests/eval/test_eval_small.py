@@ -303,6 +303,10 @@ def test_nvfp4_global_scale_policies():
     p99 = nvfp4_global_scale(x, policy="p99")
     assert bool((p99[:2] <= gmax[:2]).all())
     torch.testing.assert_close(nvfp4_global_scale(x, policy="p100"), gmax)
+    torch.testing.assert_close(nvfp4_global_scale(x, policy="s4")[:2], gmax[:2] * 2**0.5)
+    assert KVQuantConfig.parse("nvfp4+r%s3").gscale == "s3"
+    with pytest.raises(ValueError):
+        KVQuantConfig.parse("nvfp4+r%s8")
     sr = nvfp4_global_scale(x, policy="srch", scale_search="mse")
     ratio = torch.log2(sr[:2] / gmax[:2]) * 8
     assert bool((ratio >= -1e-3).all()) and bool((ratio < 7.01).all())

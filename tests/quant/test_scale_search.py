@@ -64,7 +64,7 @@ def np_nvfp4_block(xb, g, search):
     s0 = np_e4m3_byte(F32(amax / F32(g * F32(6))))
     s46 = np_e4m3_byte(F32(amax / F32(g * F32(4))))
     nb = lambda k: min(max(s0 + k, 0), 0x7E)  # noqa: E731
-    cands = {"mse": [s0, s46, nb(-1), nb(1)], "mse46": [s0, s46], "msenb": [s0, nb(-1), nb(1)],
+    cands = {"mse": [s0, s46, nb(-1), nb(1)], "mse46": [s0, s46], "msenb": [s0, nb(-1), nb(1)], "mseup": [s0, s46, nb(1)],
              "msewide": [s0, s46] + [nb(k) for k in range(-8, 9) if k]}[search]
     best, best_sse = None, None
     for b in cands:
