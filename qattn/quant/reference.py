@@ -373,8 +373,10 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True, sca
     * MX, 2 candidates: the format rule's exponent (``mx_shared_exponent(amax, fmt.scale_rule)``), then the other
       one of {floor, floor + 1} (floor + 1 clamped to 125).
 
-    The chosen scale never has a larger block SSE than the plain rule's. ``"mse46"``, ``"msenb"`` and
-    ``"msewide"`` are experimental candidate sets (see :data:`SCALE_SEARCHES`).
+    ``"msenb"``: the same without ``s46`` (nvfp4: ``s0``, ``s0 - 1``, ``s0 + 1``; MX: as ``"mse"``). On the accuracy
+    harness ``"msenb"`` gives the best perplexity for nvfp4 and ``"mse"`` for MX (docs/accuracy.md, "Encoder-side
+    scale search"). The chosen scale never has a larger block SSE than the plain rule's. ``"mse46"``,
+    ``"mseup"`` and ``"msewide"`` are experimental candidate sets (see :data:`SCALE_SEARCHES`).
 
     With ``check=True`` the values of ``x`` (no NaN/Inf) and of ``global_scale`` (finite, > 0) are checked;
     ``check=False`` skips only these value scans (they synchronise a GPU). Type and shape checks always run.
