@@ -332,9 +332,7 @@ class PagedKVCache:
         # or a torch.compile trace); views that the custom ops build (rotation_signs given) never need it
         self._rotation_matrix = None
         if rotate and _rotation_signs is None:
-            from ..quant.transforms import rotation_matrix
-
-            self._rotation_matrix = rotation_matrix(self.rotation_signs)
+            self.rotation_matrix  # noqa: B018 (builds it now)
 
     @property
     def rotation_matrix(self) -> torch.Tensor | None:
