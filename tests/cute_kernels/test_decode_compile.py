@@ -10,6 +10,7 @@ of the kernel is emulated in plain Python at the end (the index math the GPU tes
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_decode_sink_compiles_sm90(case):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "int8", "bf16"])
 @pytest.mark.parametrize("W,N", [(0, 0), (64, 0), (0, 1), (0, 16), (128, 4)])
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_stage_buffers_never_overlap(fmt, W, N, stages):
     """Shared-memory placement of the stage buffers (no GPU needed): every (buffer, stage) slice lies inside the
     stage area, slices of different stages are disjoint, and within a stage the page buffers are disjoint from
@@ -142,6 +143,19 @@ def test_decode_ring_eight_warps_compiles_sm90():
     assert cfg.token_groups == 8 and cfg.ring_tile_n == 128
     _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
     _check_ptx(cfg, ptx)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_decode_deeper_pipeline_compiles_sm90(stages):
+    """QATTN_DECODE_STAGES (tuning knob): stages - 1 tiles in flight, so the main loop waits for all but
+    stages - 1 cp.async groups (a ring cache too: its tiles share the stages)."""
+    f = kv_format("nvfp4")
+    for W in (0, 64):
+        cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 128, True, False, tile_n=128, stages=stages, ring_window=W)
+        _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+        _check_ptx(cfg, ptx)
+        waits = set(re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx))
+        assert waits == {str(stages - 1), "0"}, waits
 
 
 @pytest.mark.slow
@@ -183,6 +197,13 @@ def test_config_validation_and_heuristic():
     assert num_splits_heuristic(32, 8, 8192, 132) == 1
     assert num_splits_heuristic(1, 8, 131072, 132) == 33
     assert num_splits_heuristic(1, 8, 256, 132) == 1
+    # fewer (sequence, kv head) CTAs than SMs: at most 2 CTAs per SM, the busiest SM's tiles minimised
+    assert num_splits_heuristic(8, 8, 32768, 132, tile_n=128) == 4  # 256 CTAs; 5 splits put 3 on 56 SMs
+    assert num_splits_heuristic(2, 8, 65536, 132, tile_n=128) == 16  # not 17 (272 CTAs: 3 on 8 SMs)
+    for batch, heads, ctx in itertools.product((1, 2, 3, 5, 8, 12, 16), (1, 2, 4, 8), (256, 4096, 32768, 131072)):
+        ns = num_splits_heuristic(batch, heads, ctx, 132, tile_n=128)
+        ctas = batch * heads
+        assert ns == 1 or (ctas * ns <= 2 * 132 and -(-ctx // 128) // ns >= 4)
     cfg = DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False)
     assert cfg.key != DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, True).key
     # every compile-time flag is in the key: m-blocks, ring on/off, W, ring dtype, sink tokens
@@ -208,6 +229,7 @@ def test_launcher_config_choice(monkeypatch):
     ring = PagedKVCache(1, 4, 64, 2, 128, "nvfp4", recent_window=64, max_seqs=3, dtype=torch.float16)
     monkeypatch.delenv("QATTN_DECODE_WARPS", raising=False)
     monkeypatch.delenv("QATTN_DECODE_TILE_N", raising=False)
+    monkeypatch.delenv("QATTN_DECODE_STAGES", raising=False)
     tuning_from_env.cache_clear()
     try:
         assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).tile_n == 128
@@ -233,6 +255,15 @@ def test_launcher_config_choice(monkeypatch):
         tuning_from_env.cache_clear()
         with pytest.raises(ValueError, match="QATTN_DECODE_TILE_N"):
             idec.decode_config_for(nv, "bf16", 4, 1, True, False)
+        monkeypatch.setenv("QATTN_DECODE_TILE_N", "128")
+        monkeypatch.setenv("QATTN_DECODE_STAGES", "3")  # cp.async depth: a tuning knob, in the key
+        tuning_from_env.cache_clear()
+        assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).stages == 3
+        monkeypatch.setenv("QATTN_DECODE_STAGES", "5")
+        tuning_from_env.cache_clear()
+        with pytest.raises(ValueError, match="QATTN_DECODE_STAGES"):
+            idec.decode_config_for(nv, "bf16", 4, 1, True, False)
+        monkeypatch.delenv("QATTN_DECODE_STAGES")
         monkeypatch.delenv("QATTN_DECODE_TILE_N")
         monkeypatch.delenv("QATTN_DECODE_WARPS")
         tuning_from_env.cache_clear()

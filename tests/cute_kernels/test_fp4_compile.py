@@ -278,6 +278,9 @@ def run_ptx(body: str, n_out: int, inputs: list) -> list:
         elif op == "div.rn.f32":
             with np.errstate(all="ignore"):
                 r = _f32_bits(_bits_f32(a[0]) / _bits_f32(a[1]))
+        elif op == "rcp.rn.f32":  # IEEE reciprocal, correctly rounded (numpy's fp32 division is)
+            with np.errstate(all="ignore"):
+                r = _f32_bits(np.float32(1.0) / _bits_f32(a[0]))
         elif op == "cvt.rni.u32.f32":
             x = _bits_f32(a[0]).astype(np.float64)
             x = np.where(np.isnan(x), 0.0, np.clip(np.rint(x), 0, 2**32 - 1))
@@ -448,3 +451,4 @@ def test_rcp_rn_and_pack_match_reference():
     (w,) = helper("pack_e2m1x8", *[codes[:, k] for k in range(8)])
     want = ref.pack_e2m1(torch.from_numpy(codes.astype(np.uint8)))  # (n, 4) bytes
     assert np.array_equal(w.view(np.uint8).reshape(-1, 4), want.numpy())
+

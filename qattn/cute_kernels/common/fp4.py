@@ -149,7 +149,7 @@ PTX_F32_TO_E4M3_SATFINITE = (
     "}"
 )
 
-PTX_RCP_RN = "div.rn.f32 $0, 0f3F800000, $1;"
+PTX_RCP_RN = "rcp.rn.f32 $0, $1;"
 
 # $0 (byte) <- $1 (amax, f32 >= 0): byte = max(E, 2) - 2 with E the biased exponent field.
 PTX_MX_UE8M0_FLOOR = (
@@ -361,8 +361,9 @@ def f32_to_e4m3_satfinite(x, *, loc: Optional[ir.Location] = None, ip: Optional[
 
 @dsl_user_op
 def rcp_rn(x, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> Float32:
-    """IEEE 1/x, correctly rounded, subnormals kept (PTX: div.rn.f32 1.0, x). Spelled out because the
-    quantizer must match the reference bit for bit, which a fast-math rcp.approx would not."""
+    """IEEE 1/x, correctly rounded, subnormals kept (PTX: rcp.rn.f32; the same value as div.rn.f32 1.0, x, which
+    ptxas expands into a longer general-division sequence). Spelled out because the quantizer must match the
+    reference bit for bit, which a fast-math rcp.approx would not."""
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], PTX_RCP_RN, "=f,f"))
 
 
@@ -422,8 +423,7 @@ def fp4_block_scale(amax: Float32, g: Float32, nvfp4: cutlass.Constexpr, rceil: 
     ``qattn.quant.reference.quantize``: the block's codes are ``f32_to_e2m1(x * multiplier)``.
 
     nvfp4 (``g`` = the global scale): byte = E4M3(amax / (g * 6)), multiplier = 1 / (E4M3 value * g), or 0 when
-    that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on
-    amax's bits, multiplier = 2^-e (exact)."""
+    that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on amax's bits, multiplier = 2^-e (exact)."""
     sbyte = Uint32(0)
     mul = Float32(0.0)
     if cutlass.const_expr(nvfp4):

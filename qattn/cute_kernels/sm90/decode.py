@@ -436,9 +436,11 @@ class DecodeSm90:
             rM[i] = Float32(-math.inf)
             rL[i] = Float32(0.0)
 
-        # ---- main loop: iteration `it` issues the loads of tile `it` and computes tile `it - 1` ----------
-        # (classic cp.async double buffering: the copy of the next tile overlaps the math of this one)
-        for it in cutlass.range(n_my + 1, unroll=1):
+        # ---- main loop: iteration `it` issues the loads of tile `it` and computes tile `it - LAG` ---------
+        # (cp.async multi-buffering, LAG = stages - 1 tiles in flight while one is computed: the copies of the
+        # next tiles overlap the math of this one)
+        LAG = S - 1
+        for it in cutlass.range(n_my + LAG, unroll=1):
             if it < n_my:
                 if cutlass.const_expr(self.unquantized):
                     if t_begin + it < n_page:
@@ -459,13 +461,13 @@ class DecodeSm90:
                     self._load_tile(bufs, t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks, num_blocks,
                                     num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
             cute.arch.cp_async_commit_group()
-            if it >= 1:
-                cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it-1 have landed ...
+            if it >= LAG:
+                cute.arch.cp_async_wait_group(LAG)  # this thread's copies of tile it-LAG have landed ...
                 cute.arch.sync_threads()  # ... and everyone else's
-                tile = t_begin + it - 1
+                tile = t_begin + it - LAG
                 if cutlass.const_expr(self.unquantized):
                     if tile < n_page:
-                        self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S,
+                        self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S,
                                            (first_pt + tile) * TN, page_len, lims_page, g, q4, tg, rQ, rO, rM, rL,
                                            sl2, None, N if self.sink else None)
                     else:
@@ -478,23 +480,23 @@ class DecodeSm90:
                             o_scale = _sel(tile == first_ring, vg, Float32(1.0), Float32)
                         if cutlass.const_expr(self.sink and self.ring):
                             if tile == n_page:
-                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S, Int32(0),
+                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S, Int32(0),
                                                    sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
                                                    o_scale, None)
                             else:
-                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
+                                self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S,
                                                    page_len + (tile - n_page - n_sink) * TR, kv_len, lims, g, q4,
                                                    tg, rQ, rO, rM, rL, scale_log2, o_scale, None)
                         elif cutlass.const_expr(self.sink):
-                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S, Int32(0),
+                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S, Int32(0),
                                                sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
                                                o_scale, None)
                         else:
-                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - 1) % S,
+                            self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S,
                                                page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
                                                rM, rL, scale_log2, o_scale, None)
                 else:
-                    self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - 1) % S, tile * TN, kv_len,
+                    self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S, tile * TN, kv_len,
                                        lims, g, q4, tg, rQ, rO, rM, rL, sl2, None, None)
                 cute.arch.sync_threads()  # the stage may be overwritten by the next iteration's loads
         cute.arch.cp_async_wait_group(0)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from qattn.layouts.formats import KVFormat
 
 TILE_N = 64
+STAGES = 2  # cp.async stages of K/V tiles (stages - 1 tiles in flight while one is computed)
 ROWS_PER_CTA = 128  # 8 row tiles = 8 warps
 MAX_ROWS = 256  # seqlen_q * group: spec range seqlen_q 1..16 x GQA 1..16; m_blocks = 2 CTAs above 128
 HEAD_DIMS = (64, 128)
@@ -76,21 +77,25 @@ def m_blocks_for(rows: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def tuning_from_env() -> tuple:
-    """``(tile_n or None, min_warps)`` from ``QATTN_DECODE_TILE_N`` (64 / 128) and ``QATTN_DECODE_WARPS``
-    (4 / 8), read once per process (tuning runs set them before the first call; ``cache_clear()`` re-reads).
-    Both end up in the compile key through the :class:`DecodeConfig` they shape."""
+    """``(tile_n or None, min_warps, stages or None)`` from ``QATTN_DECODE_TILE_N`` (64 / 128),
+    ``QATTN_DECODE_WARPS`` (4 / 8) and ``QATTN_DECODE_STAGES`` (2 / 3 / 4), read once per process (tuning runs set
+    them before the first call; ``cache_clear()`` re-reads). All end up in the compile key through the
+    :class:`DecodeConfig` they shape."""
     tn = os.environ.get("QATTN_DECODE_TILE_N")
     if tn is not None and tn not in ("64", "128"):
         raise ValueError(f"QATTN_DECODE_TILE_N: expected 64 or 128, got {tn!r}")
     w = os.environ.get("QATTN_DECODE_WARPS", "4")
     if w not in ("4", "8"):
         raise ValueError(f"QATTN_DECODE_WARPS: expected 4 or 8, got {w!r}")
-    return (None if tn is None else int(tn)), int(w)
+    st = os.environ.get("QATTN_DECODE_STAGES")
+    if st is not None and st not in ("2", "3", "4"):
+        raise ValueError(f"QATTN_DECODE_STAGES: expected 2, 3 or 4, got {st!r}")
+    return (None if tn is None else int(tn)), int(w), (None if st is None else int(st))
 
 
 def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
     """Tokens per page tile: ``default_tile_n`` unless ``QATTN_DECODE_TILE_N`` overrides it."""
-    tn, _ = tuning_from_env()
+    tn = tuning_from_env()[0]
     return default_tile_n(k_fmt, v_fmt) if tn is None else tn
 
 
@@ -103,8 +108,9 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
     tile_n = tile_n_for(k_fmt, v_fmt)
     # 8 warps split a tile 8 ways only when it has 8 x 16 tokens
     min_warps = tuning_from_env()[1] if tile_n >= 128 else 4
+    stages = tuning_from_env()[2] or STAGES
     return DecodeConfig(k_fmt, v_fmt, head_dim, q_dtype, group, row_tiles_for(rows), page_size, bool(causal),
-                        bool(split), tile_n=tile_n, min_warps=min_warps, m_blocks=m_blocks_for(rows),
+                        bool(split), tile_n=tile_n, stages=stages, min_warps=min_warps, m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
                         ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16")
 
@@ -121,7 +127,7 @@ class DecodeConfig:
     causal: bool
     split: bool  # write fp32 partial O + LSE for the combine kernel, instead of the output
     tile_n: int = TILE_N
-    stages: int = 2
+    stages: int = STAGES
     min_warps: int = 4  # 4 or 8: with few rows, more warps split each tile's tokens (more latency hiding)
     m_blocks: int = 1  # CTAs sharing one (split, kv head, sequence)'s rows: 2 for 129..256 rows (8 row tiles each)
     ring_window: int = 0  # recent-token window W of the cache (0: no ring); compile time, so p % W is cheap
@@ -151,6 +157,8 @@ class DecodeConfig:
             raise ValueError(f"ring_dtype: expected 'bf16' or 'f16', got {self.ring_dtype!r}")
         for f in (self.k_fmt, self.v_fmt):
             f.check_head_dim(self.head_dim)
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"stages: expected 2, 3 or 4, got {self.stages}")
         if self.min_warps not in (4, 8):
             raise ValueError(f"min_warps: expected 4 or 8, got {self.min_warps}")
         if self.tile_n % (16 * self.token_groups):
@@ -192,19 +200,30 @@ class DecodeConfig:
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
-                         tile_n: int = TILE_N, max_splits: int = 64, min_tiles_per_split: int = 4) -> int:
-    """Splits of the KV range so that a launch fills the GPU.
+                         tile_n: int = TILE_N, max_splits: int = 64, min_tiles_per_split: int = 4,
+                         ctas_per_sm: int = 2) -> int:
+    """Splits of the KV range so that a launch fills the GPU evenly.
 
     Uses only host-known sizes (``max_context`` = block_table columns x page size, an upper bound of the
     sequence lengths) so that choosing it needs no device sync. One CTA per (sequence, kv head) is enough when
-    there are already ~a wave of them; otherwise aim at ~2 waves, but never give a split fewer than
-    ``min_tiles_per_split`` tiles of ``tile_n`` tokens (the combine costs more than it saves below that).
-    Measured (H100, nvfp4, B32 x 8K, 256 CTAs): forcing 2 or 4 splits was slower (159 / 163 us vs 153 us).
+    there are already a wave of them. Otherwise the time is set by the busiest SM: ``ceil(CTAs / SMs)`` CTAs of
+    ``ceil(tiles / splits)`` tiles each, and an SM holding a single CTA (4 warps) works ~1.25x slower per tile
+    than one holding two (H100, nvfp4 GQA 32/8 D128: B8 x 32K, 1 CTA of 128 tiles per SM 197 us, 2 CTAs of 64
+    tiles 157 us; 2 or 3 CTAs of equal total tiles ran equally fast). The choice minimises that cost over
+    ``splits`` with at most ``ctas_per_sm`` CTAs per SM (one wave: 2 fit every format's registers and shared
+    memory; a second partial wave or a 3-vs-2 imbalance cost up to 30 %), the fewest splits on a tie, and never
+    fewer than ``min_tiles_per_split`` tiles per split. Measured against the former rule (ceil(2 SMs / CTAs)),
+    H100, CUDA graph: nvfp4 B8 x 32K 179 -> 157 us, B4 x 32K 112 -> 91, B2 x 64K 121 -> 94; fp8 B8 x 32K 257 ->
+    203; one regression, nvfp4 B16 x 16K 153 -> 159 (3 CTAs per SM would fit there, not for every format).
     """
     ctas = batch * num_kv_heads
     if ctas >= num_sms:
         return 1
     tiles = max(1, math.ceil(max_context / tile_n))
-    by_fill = math.ceil(2 * num_sms / ctas)
-    by_work = max(1, tiles // min_tiles_per_split)
-    return max(1, min(by_fill, by_work, max_splits))
+    limit = max(1, min(max_splits, tiles // min_tiles_per_split, (ctas_per_sm * num_sms) // ctas))
+
+    def busiest_sm(splits: int) -> float:
+        per_sm = -(-ctas * splits // num_sms)
+        return per_sm * -(-tiles // splits) * (1.25 if per_sm == 1 else 1.0)
+
+    return min(range(1, limit + 1), key=lambda ns: (busiest_sm(ns), ns))
