@@ -423,7 +423,8 @@ def fp4_block_scale(amax: Float32, g: Float32, nvfp4: cutlass.Constexpr, rceil: 
     ``qattn.quant.reference.quantize``: the block's codes are ``f32_to_e2m1(x * multiplier)``.
 
     nvfp4 (``g`` = the global scale): byte = E4M3(amax / (g * 6)), multiplier = 1 / (E4M3 value * g), or 0 when
-    that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on amax's bits, multiplier = 2^-e (exact)."""
+    that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on
+    amax's bits, multiplier = 2^-e (exact)."""
     sbyte = Uint32(0)
     mul = Float32(0.0)
     if cutlass.const_expr(nvfp4):
