@@ -208,33 +208,57 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
     return rows, baseline or "-"
 
 
+def insert_slots(num_tokens: int, page_size: int, num_blocks: int, order: str, generator) -> torch.Tensor:
+    """Slot mapping of a ``num_tokens`` insert into a pool of ``num_blocks`` pages.
+
+    ``"page-ordered"``: the pages in random order, the tokens in order inside each page: what an engine's
+    prefill writes (``block_table[i // page] * page + i % page``). ``"random"``: every token to a random slot of
+    the pool (neighbouring tokens in different pages), the worst case for the write pattern: a page's scale
+    rows, a fraction of a 32-byte sector each, are then written by many CTAs far apart in time."""
+    dev = generator.device
+    if order == "random":
+        return torch.randperm(num_blocks * page_size, device=dev, generator=generator)[:num_tokens]
+    if order == "page-ordered":
+        pages = torch.randperm(num_blocks, device=dev, generator=generator)[: -(-num_tokens // page_size)]
+        return (pages[:, None] * page_size + torch.arange(page_size, device=dev)).reshape(-1)[:num_tokens]
+    raise ValueError(f"order: expected 'page-ordered' or 'random', got {order!r}")
+
+
+INSERT_ORDERS = ("page-ordered", "random")
+
+
 def run_insert(num_tokens=65536, num_kv_heads=8, head_dim=128, page_size=16, formats=("nvfp4", "fp8", "bf16"),
-               copy_gbs=None, reps=30, log=print):
-    """KV insert: new (num_tokens, H, D) bf16 K/V into shuffled slots. The peer is torch's own bf16 paged
+               copy_gbs=None, reps=30, log=print, orders=INSERT_ORDERS):
+    """KV insert: new (num_tokens, H, D) bf16 K/V into the pool, for each slot order of :func:`insert_slots`,
+    launched from Python (back-to-back calls) and replayed from a CUDA graph. The peer is torch's own bf16 paged
     scatter (what an engine does without quantization)."""
     rows, dev = [], "cuda"
-    label = f"{num_tokens // 1024}K tok H{num_kv_heads} D{head_dim} p{page_size}"
     g = torch.Generator(device=dev).manual_seed(0)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device=dev, generator=g, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     blocks = -(-num_tokens // page_size) + 8
-    slots = torch.randperm(blocks * page_size, device=dev, generator=g)[:num_tokens]
-    log(f"insert {label}")
     kd = torch.empty(blocks * page_size, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
     vd = torch.empty_like(kd)
-    t = bench(lambda: (kd.index_copy_(0, slots, k), vd.index_copy_(0, slots, v)), warmup=5, reps=reps)
-    rows.append(_row(label, "torch index_copy", "bf16", "eager", t, insert_bytes(num_tokens, num_kv_heads,
-                                                                                  head_dim, "bf16"), copy_gbs=copy_gbs))
     write = _ours("write_kv")
-    for fmt in formats:
-        name = fmt if isinstance(fmt, str) else "+".join(fmt)
-        if write is None:
-            rows.append(_row(label, "qattn write_kv", name, "eager", None, note="qattn.write_kv not built yet"))
-            continue
-        cache = PagedKVCache(1, blocks, page_size, num_kv_heads, head_dim, fmt, device=dev)
-        t = bench(lambda c=cache: write(c, 0, k, v, slots), warmup=5, reps=reps)
-        rows.append(_row(label, "qattn write_kv", name, "eager", t,
-                         insert_bytes(num_tokens, num_kv_heads, head_dim, fmt), copy_gbs=copy_gbs))
+    for order in orders:
+        label = f"{num_tokens // 1024}K tok H{num_kv_heads} D{head_dim} p{page_size} {order}"
+        slots = insert_slots(num_tokens, page_size, blocks, order, g)
+        log(f"insert {label}")
+        for scope, graph in SCOPES:
+            t = bench(lambda: (kd.index_copy_(0, slots, k), vd.index_copy_(0, slots, v)), warmup=5, reps=reps,
+                      use_graph=graph)
+            rows.append(_row(label, "torch index_copy", "bf16", scope, t,
+                             insert_bytes(num_tokens, num_kv_heads, head_dim, "bf16"), copy_gbs=copy_gbs))
+        for fmt in formats:
+            name = fmt if isinstance(fmt, str) else "+".join(fmt)
+            if write is None:
+                rows.append(_row(label, "qattn write_kv", name, "eager", None, note="qattn.write_kv not built yet"))
+                continue
+            cache = PagedKVCache(1, blocks, page_size, num_kv_heads, head_dim, fmt, device=dev)
+            for scope, graph in SCOPES:
+                t = bench(lambda c=cache: write(c, 0, k, v, slots), warmup=5, reps=reps, use_graph=graph)
+                rows.append(_row(label, "qattn write_kv", name, scope, t,
+                                 insert_bytes(num_tokens, num_kv_heads, head_dim, fmt), copy_gbs=copy_gbs))
     rows += _decode_append(num_kv_heads, head_dim, page_size, formats, reps)
     _speedups(rows, "torch index_copy")
     return rows, "torch index_copy"

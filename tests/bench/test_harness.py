@@ -73,3 +73,22 @@ def test_plot(tmp_path):
     report.plot(tmp_path / "p.png", ROWS, META)
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 200_000
+
+
+def test_insert_slot_orders():
+    import torch
+
+    from qattn.bench.runners import insert_slots
+
+    g = torch.Generator().manual_seed(0)
+    for order in ("page-ordered", "random"):
+        s = insert_slots(100, 16, 12, order, g)
+        assert s.shape == (100,) and len(set(s.tolist())) == 100 and int(s.min()) >= 0 and int(s.max()) < 12 * 16
+    s = insert_slots(100, 16, 12, "page-ordered", g)
+    pages, offs = s // 16, s % 16
+    assert torch.equal(offs, torch.arange(100) % 16)  # tokens in order inside each page
+    assert all(len(set(pages[i:i + 16].tolist())) == 1 for i in range(0, 100, 16))
+    assert len(set(pages.tolist())) == 7
+    import pytest
+    with pytest.raises(ValueError, match="order"):
+        insert_slots(10, 16, 4, "sorted", g)
