@@ -673,11 +673,12 @@ class DecodeSm90:
                 cute.copy(atom, src, bufs[name][None, v, stage])
 
     # ---- dequantized row slices ------------------------------------------------------------------------
-    def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn):
+    def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn, keep=None):
         """``ndims`` values of token ``tok`` (tile-local) starting at dim ``dim0_dyn`` (dynamic; multiple of 8
         for FP4, of 4 for 8-bit, of 2 for bf16), as ndims/2 words of 16-bit pairs in the MMA operand type
         (f16 for quantized formats, with FP4 block scales applied; bf16 for bf16). Per-row fp32 scales are not
-        applied here."""
+        applied here. ``keep`` (FP4 only, or None): False zeroes the values through their block scale (E2M1
+        codes are finite, so a zero scale gives exact zeros whatever garbage the scale byte held)."""
         words = []
         w = views[pre + "d_w"]
         if cutlass.const_expr(f.kind == "bf16"):
@@ -705,6 +706,8 @@ class DecodeSm90:
                     s2 = fp4.e4m3_to_f16x2(sbyte, 0)
                 else:
                     s2 = f32_to_f16x2_bcast(fp4.ue8m0_to_f32(sbyte))
+                if cutlass.const_expr(keep is not None):
+                    s2 = _sel(keep, s2, Uint32(0), Uint32)
                 for hh in fp4.e2m1x8_to_f16x8(x):
                     words.append(fp4.f16x2_mul(hh, s2))
         return words
@@ -791,13 +794,18 @@ class DecodeSm90:
             vw = []
             for off in (0, 1, 8, 9):
                 tok = t_base + 16 * c + 2 * q4 + off
-                ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
                 # bytes past the sequence end may be anything (NaN bf16, 0x7F E4M3 scales): P = 0 there,
-                # but 0 * NaN is NaN, so zero the values themselves.
+                # but 0 * NaN is NaN, so zero the values themselves: FP4 through the block scale (one select per
+                # block instead of one per word: fewer integer-pipe instructions, which bound this loop), the
+                # other formats word by word.
                 ok = pos0 + tok < kv_len
                 if cutlass.const_expr(pos_lo is not None):
                     ok = ok & (pos0 + tok >= pos_lo)
-                vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+                if cutlass.const_expr(vf.kind == "fp4"):
+                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok))
+                else:
+                    ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
+                    vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
             for i in range(D // 16):
                 lo01 = prmt(vw[0][i], vw[1][i], 0x5410)
                 hi01 = prmt(vw[0][i], vw[1][i], 0x7632)
