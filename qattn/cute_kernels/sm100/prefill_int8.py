@@ -310,6 +310,8 @@ class QKInt8PrefillSm100:
             # ---- online softmax, thread = row --------------------------------------------------------------
             rSi = cute.make_rmem_tensor(tSc.shape, Int32)
             cute.copy(ld_s, tSt, rSi)
+            # tcgen05.ld is asynchronous: its registers are defined only after tcgen05.wait::ld
+            cute.arch.fence_view_async_tmem_load()
             # fp32(fp32(q_scale * softmax_scale * log2 e) * k_scale): the tile's log2-domain scale
             scale = qs_log2 * mKS[ks_base + it]
             col0 = it * BLOCK_K
@@ -338,6 +340,7 @@ class QKInt8PrefillSm100:
             if it > 0:  # O *= corr (the previous P.V finished: o_done was waited on). corr = 1 keeps O exactly.
                 rO = cute.make_rmem_tensor(tOc.shape, Float32)
                 cute.copy(ld_o, tOt, rO)
+                cute.arch.fence_view_async_tmem_load()
                 rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
                 for i in cutlass.range_constexpr(cute.size(rO)):
                     rO2[i] = rO[i] * corr
@@ -366,6 +369,7 @@ class QKInt8PrefillSm100:
         rO = cute.make_rmem_tensor(tOc.shape, Float32)
         if n_blocks > 0:
             cute.copy(ld_o, tOt, rO)
+            cute.arch.fence_view_async_tmem_load()
         else:
             for i in cutlass.range_constexpr(cute.size(rO)):
                 rO[i] = Float32(0.0)
