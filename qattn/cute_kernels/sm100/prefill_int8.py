@@ -189,7 +189,7 @@ class QKInt8PrefillSm100:
             o_done: cutlass.Int64  # PV MMA finished (O in TMEM, P and the V stage free)
             tmem_holder: cutlass.Int32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         sQ = smem.allocate_tensor(Int8, q_smem.outer, byte_alignment=1024, swizzle=q_smem.inner)
         sK = smem.allocate_tensor(Int8, k_smem.outer, byte_alignment=1024, swizzle=k_smem.inner)
@@ -208,7 +208,7 @@ class QKInt8PrefillSm100:
         cute.arch.mbarrier_init_fence()
 
         # ---- tensor memory: S (128 cols, s32) | O (D cols, fp32) | P (64 cols: 128 x 16-bit) -----------------
-        tmem = cutlass.utils.TmemAllocator(st.tmem_holder.ptr, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
+        tmem = cutlass.memory.TmemAllocator(st.tmem_holder.ptr, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
             barrier_id=1, num_threads=self.threads))
         tmem.allocate(cfg.tmem_cols)
         tmem.wait_for_alloc()
