@@ -33,7 +33,8 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
 
 Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
 MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> registers), P -> TMEM, O *= corr in
-TMEM -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile it + kv_stages into the freed stage. No
+TMEM -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile it + kv_stages into the freed stage (O is rescaled in TMEM only in warps whose running max
+moved). No
 warp specialisation, no S/P double buffering, no overlap of softmax with the tensor core: performance unknown,
 certainly far from the hardware's peak. Epilogue: O / l straight from registers to global memory (no TMA store).
 """
@@ -337,14 +338,18 @@ class QKInt8PrefillSm100:
             for j in cutlass.range_constexpr(cute.size(rPw)):
                 rPw[j] = _pack2(rS[2 * j], rS[2 * j + 1], cfg.v_dtype == "bf16")
             cute.copy(st_p, rPw, tPt)
-            if it > 0:  # O *= corr (the previous P.V finished: o_done was waited on). corr = 1 keeps O exactly.
-                rO = cute.make_rmem_tensor(tOc.shape, Float32)
-                cute.copy(ld_o, tOt, rO)
-                cute.arch.fence_view_async_tmem_load()
-                rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    rO2[i] = rO[i] * corr
-                cute.copy(st_o, rO2, tOt_st)
+            # O *= corr when the running max moved (the previous P.V finished: o_done was waited on). tcgen05.ld/st
+            # are warp-collective, so the test is per warp (vote.any): a lane whose max did not move has corr == 1
+            # exactly and multiplies by 1, which changes nothing.
+            if it > 0:
+                if cute.arch.vote_any_sync(corr < Float32(1.0)):
+                    rO = cute.make_rmem_tensor(tOc.shape, Float32)
+                    cute.copy(ld_o, tOt, rO)
+                    cute.arch.fence_view_async_tmem_load()
+                    rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
+                    for i in cutlass.range_constexpr(cute.size(rO)):
+                        rO2[i] = rO[i] * corr
+                    cute.copy(st_o, rO2, tOt_st)
             cute.arch.fence_view_async_tmem_store()  # tcgen05.st -> visible to the tcgen05.mma that reads P / O
             _tcgen05_fence("before_thread_sync")
             cute.arch.sync_threads()
