@@ -33,10 +33,10 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
 
 Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
 MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> registers), P -> TMEM, O *= corr in
-TMEM -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile it + kv_stages into the freed stage (O is rescaled in TMEM only in warps whose running max
-moved). No
-warp specialisation, no S/P double buffering, no overlap of softmax with the tensor core: performance unknown,
-certainly far from the hardware's peak. Epilogue: O / l straight from registers to global memory (no TMA store).
+TMEM (only in warps whose running max moved) -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile
+it + kv_stages into the freed stage. No warp specialisation, no S/P double buffering, no overlap of softmax
+with the tensor core: performance unknown, certainly far from the hardware's peak. Epilogue: O / l straight
+from registers to global memory (no TMA store).
 """
 
 from __future__ import annotations
