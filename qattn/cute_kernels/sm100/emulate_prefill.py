@@ -17,10 +17,10 @@ Per CTA = (batch b, q head h, 128-row query block), in the kernel's order:
    exp2 rounded to fp32; the hardware is within ~2 ulp), ``l = l * corr + sum(p)`` with the *unrounded* fp32 p
    (the kernel sums 128 values sequentially in fp32: modelled as an fp64 sum rounded once; differences are a
    few fp32 ulp of l).
-5. P rounded to V's 16-bit dtype (RNE: the kernel's ``cvt.rn.bf16x2.f32`` / ``f16x2``), O = O * corr + P16 . V
-   (products exact, fp64 sum rounded to fp32 once per tile; the tensor core accumulates in fp32 in an
-   unspecified order, again an fp32-ulp-level effect).
-6. Epilogue: ``out = fp32(O * fp32(1 / l))`` rounded to V's dtype (0 for a row that sees no key),
+5. P rounded to V's 16-bit dtype (RNE: the kernel's ``cvt.rn.bf16x2.f32`` / ``f16x2``), O = fp32(O * corr)
+   (the kernel's TMEM rescale), then O += P16 . V (products exact, fp64 sum rounded to fp32 once per tile; the
+   tensor core accumulates in fp32 in an unspecified order, again an fp32-ulp-level effect).
+6. Epilogue: ``out = fp32(O * fp32(1 / l))`` (``rcp.rn.f32``) rounded to V's dtype (0 for a row that sees no key),
    ``LSE = (m + log2 l) * ln 2`` (-inf for such a row).
 
 Tiles a causal CTA reads beyond one row's diagonal are fully masked for that row; they change nothing (corr is
@@ -115,7 +115,7 @@ def emulate_prefill_sm100(
             p = _f32(torch.exp2(_f32(x - m_use[..., None])))
             l_ = _f32(l_ * corr + p.sum(-1))  # fp32 FFMA-style update with the unrounded p
             p16 = p.to(vdt).double()  # P rounded to V's type before the MMA
-            o = _f32(o * corr[..., None] + p16 @ vv[:, :, c0:c1])
+            o = _f32(_f32(o * corr[..., None]) + p16 @ vv[:, :, c0:c1])  # O *= corr is stored to TMEM in fp32
             m = m_new
         has = l_ > 0
         inv = torch.where(has, _f32(1.0 / torch.where(has, l_, torch.ones_like(l_))), torch.zeros_like(l_))
