@@ -291,6 +291,8 @@ class QKInt8PrefillSm100:
         tOt_st = st_o.get_slice(tidx).partition_D(tOtO)
         tOc_st = st_o.get_slice(tidx).partition_S(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
         _check_order(tSc, BLOCK_K)  # register i of the S row = key column i (the P packing below relies on it)
+        _check_order(tPc, BLOCK_K // 2)  # P word j goes to TMEM column j (= keys 2j, 2j+1)
+        _check_same_cells(tOc, tOc_st, "O rescale")  # O load and store enumerate the same cells in the same order
 
         if n_blocks > 0:
             cute.arch.mbarrier_wait(q_full, 0)
@@ -403,6 +405,20 @@ class QKInt8PrefillSm100:
             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.kv_bytes)
         cute.copy(tma_k, tKg[(None, tile, 0, (h_kv, b))], tKs[(None, stage)], tma_bar_ptr=full + stage)
         cute.copy(tma_v, tVg[(None, 0, tile, (h_kv, b))], tVs[(None, stage)], tma_bar_ptr=full + stage)
+
+
+def _check_same_cells(a, b, what: str) -> None:
+    """Trace-time check: register i of two TMEM copy partitions of one thread holds the same column (the O
+    rescale loads with one partition and stores with another, element by element). The row is the thread's
+    lane in both (a runtime value, thread = lane), so only the columns are compared; they must be static."""
+    if cute.size(a) != cute.size(b):
+        raise AssertionError(f"{what}: partitions of {cute.size(a)} and {cute.size(b)} values")
+    for i in range(cute.size(a)):
+        ca, cb = a[i][1], b[i][1]
+        if not (isinstance(ca, int) and isinstance(cb, int)):
+            raise AssertionError(f"{what}: register {i}'s column is not known at trace time")
+        if ca != cb:
+            raise AssertionError(f"{what}: register {i} holds column {ca} in one partition and {cb} in the other")
 
 
 def prefill_sm100_compile_args() -> list:
