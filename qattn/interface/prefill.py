@@ -1,8 +1,13 @@
-"""Torch entry points of the SM90 INT8-QK prefill kernel: ``flash_attn_func`` (FlashAttention's argument names)
+"""Torch entry points of the INT8-QK prefill kernels: ``flash_attn_func`` (FlashAttention's argument names)
 and ``prefill_int8`` (the attention kernel alone, on already-quantized Q/K).
 
 Thin by design: validate host-known facts, pick the compiled kernel from the shared compile cache (key = arch +
 :class:`~qattn.cute_kernels.sm90.prefill_config.PrefillConfig`), launch on torch's current stream. No host sync.
+
+Arch dispatch (``_check_arch``): compute capability 9.0 -> the SM90 kernel; 10.x -> the SM100 kernel
+(``prefill_sm100.py``, dense INT8 Q K^T with P.V in V's dtype only; NEVER RAN ON HARDWARE, compile-checked
+and emulated on the CPU); anything else a ValueError. What the SM100 kernel lacks (varlen, FP8 P.V, the
+16-bit Q K^T path) raises NotImplementedError before any launch: no silent fallback.
 """
 
 from __future__ import annotations
@@ -31,10 +36,20 @@ def prefill_compile_args():
 
 def _check_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
+    if major == 10:  # SM100 (B200/GB200): prefill_sm100.py (never ran on hardware)
+        return "sm_100a"
     if (major, minor) != (9, 0):
-        raise ValueError(f"q: device {device} is sm_{major}{minor}; the INT8-QK prefill kernel is built for SM90 "
-                         "(H100/H200) only (no fallback)")
+        raise ValueError(f"q: device {device} is sm_{major}{minor}; the INT8-QK prefill kernels are built for SM90 "
+                         "(H100/H200) and SM100 (B200/GB200) only (no fallback)")
     return "sm_90a"
+
+
+def _check_sm100_options(device: torch.device, **options) -> None:
+    """On an SM100 device, raise for the options its prefill kernel does not implement (before any launch)."""
+    if _check_arch(device) == "sm_100a":
+        from .prefill_sm100 import check_sm100_prefill_options
+
+        check_sm100_prefill_options(**options)
 
 
 def _check(t, name: str, dtype, shape, device) -> None:
@@ -189,7 +204,15 @@ def prefill_int8(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
-    _check_arch(dev)
+    if _check_arch(dev) == "sm_100a":
+        from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
+
+        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
+        q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+        prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
+                           causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
+        return (out, lse) if return_lse else out
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
                         pv_dtype=pv_dtype, **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides (A/B)
 
@@ -261,7 +284,7 @@ def prefill_int8_varlen(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
-    _check_arch(dev)
+    _check_sm100_options(dev, varlen=True)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
                         varlen=True, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
@@ -286,7 +309,7 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
-    _check_arch(q.device)
+    _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
                         varlen=varlen, qk_dtype="bf16")
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -352,6 +375,8 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8
 
+    if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
+        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale)
 
@@ -419,6 +444,8 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import quantize_qk_int8_varlen
 
+    if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
+        _check_sm100_options(q.device, varlen=True)
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
@@ -442,6 +469,10 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
     V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
     key, arch first)."""
+    if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
+        from .prefill_sm100 import sm100_prefill_variants
+
+        return sm100_prefill_variants(arch, head_dims, q_dtypes)
     if arch != "sm_90a":
         return []
     dts = [{"f16": "fp16"}.get(d, d) for d in (q_dtypes or ["bf16", "fp16"])]

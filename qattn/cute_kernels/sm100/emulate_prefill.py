@@ -1,0 +1,127 @@
+"""CPU model (torch) of exactly what the SM100 INT8-QK prefill kernel (``prefill_int8.py``) computes. The kernel
+never ran on hardware: this model is how its numerics were checked, and it is only as faithful as the
+modelling choices below (each says where the hardware may differ).
+
+Per CTA = (batch b, q head h, 128-row query block), in the kernel's order:
+
+1. Q, K -> int8 + fp32 scales by ``qattn.quant.quantize_qk_int8_reference`` (the exact torch model of the
+   prepass the launcher runs, ``quantize_qk_int8``; K mean-smoothed when ``smooth_k``), or the caller's
+   ``quantized`` tensors (e.g. the GPU prepass's outputs).
+2. S = q_int8 . k_int8 over head_dim, exact (|S| <= 127^2 * 128 < 2^22: exact in fp64 and in the kernel's s32
+   accumulator and its int32 -> fp32 conversion).
+3. Per row and tile, the log2-domain scale ``fp32(fp32(q_scale * scale_log2) * k_scale)`` with
+   ``scale_log2 = fp32(softmax_scale * log2 e)`` (the kernel's two fp32 multiplies, in this order), then
+   ``x = fp32(S * scale)``; keys >= seqlen_k and (causal) keys > row + seqlen_k - seqlen_q are -inf.
+4. Online softmax in fp32, tile by tile: ``m_new = max(m, max x)``, ``m_use = m_new`` (0 while -inf),
+   ``corr = 2^(m - m_use)``, ``p = 2^(x - m_use)`` (the kernel's ``ex2.approx.ftz`` is modelled as the exact
+   exp2 rounded to fp32; the hardware is within ~2 ulp), ``l = l * corr + sum(p)`` with the *unrounded* fp32 p
+   (the kernel sums 128 values sequentially in fp32: modelled as an fp64 sum rounded once; differences are a
+   few fp32 ulp of l).
+5. P rounded to V's 16-bit dtype (RNE: the kernel's ``cvt.rn.bf16x2.f32`` / ``f16x2``), O = fp32(O * corr)
+   (the kernel's TMEM rescale), then O += P16 . V (products exact, fp64 sum rounded to fp32 once per tile; the
+   tensor core accumulates in fp32 in an unspecified order, again an fp32-ulp-level effect).
+6. Epilogue: ``out = fp32(O * fp32(1 / l))`` (``rcp.rn.f32``) rounded to V's dtype (0 for a row that sees no key),
+   ``LSE = (m + log2 l) * ln 2`` (-inf for such a row).
+
+Tiles a causal CTA reads beyond one row's diagonal are fully masked for that row; they change nothing (corr is
+exactly 1, p exactly 0), exactly as in the kernel, so they are run here too (the CTA's own ``n_blocks``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from qattn.cute_kernels.sm100.prefill_config import BLOCK_K, BLOCK_Q, WARP_Q
+from qattn.quant.qk_int8 import quantize_qk_int8_reference
+
+__all__ = ["emulate_prefill_sm100"]
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Round to fp32 (RNE) and carry on in fp64."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def emulate_prefill_sm100(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    return_lse: bool = False,
+    quantized: Optional[tuple] = None,
+):
+    """The SM100 kernel's output (B, Sq, Hq, D) in V's dtype and, with ``return_lse``, the natural-log LSE
+    (B, Hq, Sq) fp32, computed on the CPU as the module docstring describes. q (B, Sq, Hq, D), k and v
+    (B, Sk, Hkv, D), v bf16 or fp16. ``quantized`` = (q_int8, q_scale, k_int8, k_scale) replaces step 1."""
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"v: expected bf16 or fp16 (the P.V MMA type), got {v.dtype}")
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"k: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
+    group = Hq // Hkv
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if quantized is None:
+        quantized = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                               warp_q=WARP_Q, block_k=BLOCK_K)[:4]
+    q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
+    q_rows = WARP_Q if granularity == "per_warp" else BLOCK_Q
+    scale_log2 = float(torch.tensor(softmax_scale * math.log2(math.e), dtype=torch.float32))
+    vdt = v.dtype
+    # (B, H, S, D) views; kv heads expanded to q heads (GQA: q head h reads kv head h // group)
+    qi = q8.permute(0, 2, 1, 3).double()
+    ki = k8.permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)
+    vv = v.cpu().permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)  # exact: 16-bit -> fp64
+    ks_h = ks.double().repeat_interleave(group, dim=1)  # (B, Hq, n_kb)
+    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
+    diag = Sk - Sq
+    n_mb = -(-Sq // BLOCK_Q)
+    for mb in range(n_mb):
+        r0, r1 = mb * BLOCK_Q, min(Sq, (mb + 1) * BLOCK_Q)
+        rows = torch.arange(r0, r1)
+        n_blocks = -(-Sk // BLOCK_K)
+        if causal:
+            last_key = min(Sk, (mb + 1) * BLOCK_Q + diag)
+            n_blocks = max(last_key + BLOCK_K - 1, 0) // BLOCK_K
+        key_end = torch.full_like(rows, Sk)
+        if causal:
+            key_end = torch.clamp(rows + diag + 1, max=Sk)
+        # fp32(q_scale * scale_log2), one per row
+        qsr = qs.double()[:, :, rows // q_rows]  # (B, Hq, rows)
+        qs_log2 = _f32(_f32(qsr) * scale_log2)
+        m = torch.full((B, Hq, r1 - r0), -math.inf, dtype=torch.float64)
+        l_ = torch.zeros(B, Hq, r1 - r0, dtype=torch.float64)
+        o = torch.zeros(B, Hq, r1 - r0, D, dtype=torch.float64)
+        for t in range(n_blocks):
+            c0, c1 = t * BLOCK_K, min(Sk, (t + 1) * BLOCK_K)
+            s_int = qi[:, :, r0:r1] @ ki[:, :, c0:c1].transpose(-1, -2)  # exact integers
+            scale = _f32(qs_log2 * ks_h[:, :, t, None])  # (B, Hq, rows)
+            x = _f32(s_int * scale[..., None])
+            cols = torch.arange(c0, c1)
+            visible = cols[None, :] < key_end[:, None]  # (rows, cols)
+            x = torch.where(visible, x, torch.tensor(-math.inf, dtype=torch.float64))
+            m_new = torch.maximum(m, x.amax(-1))
+            m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+            corr = _f32(torch.exp2(_f32(m - m_use)))
+            p = _f32(torch.exp2(_f32(x - m_use[..., None])))
+            l_ = _f32(l_ * corr + p.sum(-1))  # fp32 FFMA-style update with the unrounded p
+            p16 = p.to(vdt).double()  # P rounded to V's type before the MMA
+            o = _f32(_f32(o * corr[..., None]) + p16 @ vv[:, :, c0:c1])  # O *= corr is stored to TMEM in fp32
+            m = m_new
+        has = l_ > 0
+        inv = torch.where(has, _f32(1.0 / torch.where(has, l_, torch.ones_like(l_))), torch.zeros_like(l_))
+        out[:, :, r0:r1] = _f32(o * inv[..., None])
+        lse[:, :, r0:r1] = torch.where(has, (m + torch.log2(torch.where(has, l_, torch.ones_like(l_)))) * math.log(2.0),
+                                       torch.full_like(m, -math.inf))
+    out = out.permute(0, 2, 1, 3).to(vdt)
+    lse = lse.to(torch.float32)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,430 @@
+"""SM100 (Blackwell) prefill attention with INT8 Q/K (SageAttention style): Q K^T on ``tcgen05.mma kind::i8``
+(s32 accumulator in TMEM), fp32 online softmax, 16-bit P . V on ``tcgen05.mma kind::f16`` (issue 6, v0).
+
+**Never ran on hardware.** No Blackwell GPU was available: this kernel is compiled for ``sm_100a`` on a CPU
+(the tests check the PTX for ``tcgen05.mma ... kind::i8``, ``kind::f16``, ``tcgen05.alloc`` and TMA
+``cp.async.bulk.tensor``) and its arithmetic is modelled in torch by ``emulate_prefill.py``. TMA descriptors,
+TMEM layouts, mbarrier phases and tcgen05 fences are unverified at runtime.
+
+One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t = TMEM lane t = query row t.
+
+    S_i32 (TMEM, 128 x 128)  = Q_int8 [SMEM] . K_int8^T [SMEM]                     (tcgen05.mma kind::i8)
+    s     (registers, fp32)  = float(S_i32) * (q_scale * k_scale * softmax_scale * log2 e)
+    P     (TMEM, 16-bit)     = exp2(s - m)                  (online softmax, thread = row, P rounded to V's type)
+    O     (TMEM, 128 x D)   += P [TMEM] . V [SMEM]                              (tcgen05.mma kind::f16, "TS")
+
+* **Same prepass and scales as SM90** (``qattn.quant.quantize_qk_int8``, block_q 128, warp_q 16, block_k 128):
+  thread t owns row t, so the per_warp q scale (16 rows) and the per_block one (128 rows) are each one scalar
+  per thread, loaded once; the k scale is one scalar per 128-key tile.
+* **Exactness of the int8 part**: |S_i32| <= 127^2 * 128 < 2^22, so int32 -> fp32 is exact and the only
+  roundings before the softmax are the scale product and one multiply (see ``emulate_prefill.py``).
+* **Scale before the max**: the per-tile scale is applied before the running max (as on SM90), so the online
+  softmax lives in the true log2 domain and needs no extra rescale when the k scale changes between tiles.
+  Masked scores are *selected* to -inf after scaling, so a zero scale (an all-zero q group / k block) cannot
+  make NaN from 0 * inf.
+* **Loads**: TMA (``cp.async.bulk.tensor``) of the Q tile (once) and of K (K-major, int8) and V (MN-major:
+  head_dim contiguous, the P . V B operand) tiles straight into the UMMA's swizzled SMEM layouts, ``kv_stages``
+  deep. TMA zero-fills rows past seqlen_q / seqlen_k (ragged last tiles); those keys are masked to -inf, their
+  zero V rows meet P = 0.
+* **Masks**: keys >= seqlen_k and, with ``causal``, FlashAttention's bottom-right alignment: query i sees keys
+  j <= i + seqlen_k - seqlen_q. Causal CTAs read only tiles up to their last row's diagonal and run in reverse
+  order (longest first). A row that sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
+* **GQA**: the CTA of q head h reads kv head h // (num_heads / num_kv_heads) (K/V re-read per q head: v0).
+
+Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
+MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> registers), P -> TMEM, O *= corr in
+TMEM (only in warps whose running max moved) -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile
+it + kv_stages into the freed stage. No warp specialisation, no S/P double buffering, no overlap of softmax
+with the tensor core: performance unknown, certainly far from the hardware's peak. Epilogue: O / l straight
+from registers to global memory (no TMA store).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+
+from qattn.cute_kernels.sm100.decode import _check_order, _ex2, _fmax, _lg2, _pack2, _sel, _tcgen05_fence
+from qattn.cute_kernels.sm100.prefill_config import BLOCK_K, BLOCK_Q, WARP_Q, PrefillConfigSm100
+
+__all__ = ["QKInt8PrefillSm100", "prefill_sm100_compile_args", "prefill_sm100_cache_key"]
+
+_LN2 = math.log(2.0)
+
+
+class QKInt8PrefillSm100:
+    """INT8-QK prefill attention for SM100, one compiled variant per :class:`PrefillConfigSm100`.
+
+    ``__call__`` (host, ``@cute.jit``) takes raw device addresses (Int64), runtime sizes and a stream, builds the
+    TMA descriptors and launches ``kernel`` on grid (ceil(seqlen_q / 128), num_heads, batch), 128 threads.
+
+    Tensors (contiguous, FlashAttention layout; the SM90 kernel's, so the launcher is shared in spirit):
+        q_int8 (B, Sq, Hq, D) i8, k_int8 (B, Sk, Hkv, D) i8, v (B, Sk, Hkv, D) bf16/fp16
+        q_scale (B, Hq, num_q_groups) fp32, k_scale (B, Hkv, num_k_blocks) fp32   (quantize_qk_int8)
+        out (B, Sq, Hq, D) v dtype, lse (B, Hq, Sq) fp32 (natural log)
+    """
+
+    threads = 128
+
+    def __init__(self, cfg: PrefillConfigSm100):
+        self.cfg = cfg
+        self.D = cfg.head_dim
+        self.v_dtype = BFloat16 if cfg.v_dtype == "bf16" else Float16
+        self.qk_tiler = (BLOCK_Q, BLOCK_K, self.D)  # (M, N, K) of Q K^T
+        self.pv_tiler = (BLOCK_Q, self.D, BLOCK_K)  # (M, N, K) of P V
+
+    @property
+    def key(self) -> tuple:
+        return self.cfg.key
+
+    # --------------------------------------------------------------------------------------------------
+    def _qk_mma(self):
+        # int8 x int8 -> s32, both K-major (head_dim contiguous in Q and K): tcgen05.mma kind::i8 (MmaI8Op)
+        return sm100_utils.make_trivial_tiled_mma(Int8, Int8, OperandMajorMode.K, OperandMajorMode.K, Int32,
+                                                  tcgen05.CtaGroup.ONE, (BLOCK_Q, BLOCK_K))
+
+    def _pv_mma(self):
+        # P (A, from TMEM, K-major) x V (B, MN-major: head_dim contiguous) -> fp32: tcgen05.mma kind::f16
+        return sm100_utils.make_trivial_tiled_mma(self.v_dtype, self.v_dtype, OperandMajorMode.K,
+                                                  OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
+                                                  (BLOCK_Q, self.D), tcgen05.OperandSource.TMEM)
+
+    @cute.jit
+    def __call__(
+        self,
+        q_addr: Int64, k_addr: Int64, v_addr: Int64, o_addr: Int64, lse_addr: Int64,
+        q_scale_addr: Int64, k_scale_addr: Int64,
+        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg, D = self.cfg, self.D
+        gmem = cute.AddressSpace.gmem
+        qk_mma = self._qk_mma()
+        pv_mma = self._pv_mma()
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,))
+
+        # ---- shared-memory layouts (UMMA canonical, swizzled) -----------------------------------------
+        q_smem = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, Int8, 1)
+        k_smem = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, Int8, cfg.kv_stages)
+        v_smem = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, self.v_dtype, cfg.kv_stages)
+        p_tmem = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, self.v_dtype, 1)  # P's TMEM A layout
+
+        # ---- global tensors: (rows, head_dim, (heads, batch)) views of the (B, S, H, D) tensors ----------
+        q_row, k_row = num_heads * D, num_kv_heads * D
+        mQ = cute.make_tensor(cute.make_ptr(Int8, q_addr, gmem, assumed_align=16),
+                              cute.make_layout((seqlen_q, D, (num_heads, batch)),
+                                               stride=(q_row, 1, (D, seqlen_q * q_row))))
+        mK = cute.make_tensor(cute.make_ptr(Int8, k_addr, gmem, assumed_align=16),
+                              cute.make_layout((seqlen_k, D, (num_kv_heads, batch)),
+                                               stride=(k_row, 1, (D, seqlen_k * k_row))))
+        # V as P.V's B operand (N = head_dim, K = keys): head_dim contiguous, "MN-major"
+        mV = cute.make_tensor(cute.make_ptr(self.v_dtype, v_addr, gmem, assumed_align=16),
+                              cute.make_layout((D, seqlen_k, (num_kv_heads, batch)),
+                                               stride=(1, k_row, (D, seqlen_k * k_row))))
+
+        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_q, tma_mQ = cute.nvgpu.make_tiled_tma_atom_A(
+            op, mQ, cute.slice_(q_smem, (None, None, None, 0)), self.qk_tiler, qk_mma, cluster_vmnk.shape)
+        tma_k, tma_mK = cute.nvgpu.make_tiled_tma_atom_B(
+            op, mK, cute.slice_(k_smem, (None, None, None, 0)), self.qk_tiler, qk_mma, cluster_vmnk.shape)
+        tma_v, tma_mV = cute.nvgpu.make_tiled_tma_atom_B(
+            op, mV, cute.slice_(v_smem, (None, None, None, 0)), self.pv_tiler, pv_mma, cluster_vmnk.shape)
+
+        self.q_bytes = cute.size_in_bytes(Int8, cute.slice_(q_smem, (None, None, None, 0)))
+        self.kv_bytes = (cute.size_in_bytes(Int8, cute.slice_(k_smem, (None, None, None, 0)))
+                         + cute.size_in_bytes(self.v_dtype, cute.slice_(v_smem, (None, None, None, 0))))
+
+        num_m_blocks = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, q_smem, k_smem, v_smem, p_tmem,
+                    o_addr, lse_addr, q_scale_addr, k_scale_addr, batch, seqlen_q, seqlen_k, num_heads, num_kv_heads,
+                    num_q_groups, num_k_blocks, scale_log2).launch(
+                        grid=(num_m_blocks, num_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
+                        stream=stream)
+
+    # --------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_v: cute.CopyAtom, mV: cute.Tensor,
+        q_smem: cute.ComposedLayout, k_smem: cute.ComposedLayout, v_smem: cute.ComposedLayout,
+        p_tmem: cute.ComposedLayout,
+        o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
+        batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+    ):
+        cfg, D, ST = self.cfg, self.D, self.cfg.kv_stages
+        gmem = cute.AddressSpace.gmem
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bid_m, h, b = cute.arch.block_idx()
+        m_block = bid_m
+        if cutlass.const_expr(cfg.causal):  # longest causal rows first: the last query tiles see the most keys
+            m_block = cute.arch.grid_dim()[0] - 1 - bid_m
+        group = num_heads // num_kv_heads
+        h_kv = h // group
+
+        # keys this CTA reads: all, or (causal) up to its last row's diagonal; none past seqlen_q
+        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+        n_blocks = (seqlen_k + BLOCK_K - 1) // BLOCK_K
+        if cutlass.const_expr(cfg.causal):
+            last_key = cutlass.min(seqlen_k, (m_block + 1) * BLOCK_Q + diag)
+            n_blocks = cutlass.max(last_key + BLOCK_K - 1, 0) // BLOCK_K
+        if m_block * BLOCK_Q >= seqlen_q:
+            n_blocks = 0
+
+        # ---- shared memory ---------------------------------------------------------------------------------
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, ST]  # TMA of a K/V stage landed
+            q_full: cutlass.Int64  # TMA of Q landed
+            s_done: cutlass.Int64  # QK MMA finished (S in TMEM)
+            o_done: cutlass.Int64  # PV MMA finished (O in TMEM, P and the V stage free)
+            tmem_holder: cutlass.Int32
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ = smem.allocate_tensor(Int8, q_smem.outer, byte_alignment=1024, swizzle=q_smem.inner)
+        sK = smem.allocate_tensor(Int8, k_smem.outer, byte_alignment=1024, swizzle=k_smem.inner)
+        sV = smem.allocate_tensor(self.v_dtype, v_smem.outer, byte_alignment=1024, swizzle=v_smem.inner)
+        full = st.full.data_ptr()
+        q_full = st.q_full.ptr
+        s_done = st.s_done.ptr
+        o_done = st.o_done.ptr
+        if warp == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(q_full, 1)
+                cute.arch.mbarrier_init(s_done, 1)
+                cute.arch.mbarrier_init(o_done, 1)
+        cute.arch.mbarrier_init_fence()
+
+        # ---- tensor memory: S (128 cols, s32) | O (D cols, fp32) | P (64 cols: 128 x 16-bit) -----------------
+        tmem = cutlass.memory.TmemAllocator(st.tmem_holder.ptr, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
+            barrier_id=1, num_threads=self.threads))
+        tmem.allocate(cfg.tmem_cols)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+        thr_qk = qk_mma.get_slice(0)
+        thr_pv = pv_mma.get_slice(0)
+        s_layout = qk_mma.make_fragment_C(qk_mma.partition_shape_C(self.qk_tiler[:2])).layout
+        tStS = cute.make_tensor(cute.recast_ptr(tmem_ptr, dtype=Int32), s_layout)  # the MMA's s32 accumulator
+        o_col = BLOCK_K
+        tOtO = cute.make_tensor(tmem_ptr + o_col,
+                                pv_mma.make_fragment_C(pv_mma.partition_shape_C(self.pv_tiler[:2])).layout)
+        p_col = o_col + D
+        tP = cute.make_tensor(tmem_ptr + p_col, p_tmem.outer)
+        tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + p_col, dtype=self.v_dtype),
+                                thr_pv.make_fragment_A(tP)[None, None, None, 0].layout)
+
+        # ---- MMA operand views (SMEM descriptors) ---------------------------------------------------------------
+        tCrQ = qk_mma.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 1)
+        tCrK = qk_mma.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, stages)
+        tCrV = pv_mma.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, stages)
+
+        # ---- TMA partitions: (TMA, tiles along rows, tiles along K, (head, batch)) -----------------------------
+        gQ = cute.local_tile(mQ, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                                         cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
+        gK = cute.local_tile(mK, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                         cute.group_modes(thr_qk.partition_B(gK), 0, 3))
+        gV = cute.local_tile(mV, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                         cute.group_modes(thr_pv.partition_B(gV), 0, 3))
+        tmas = (tma_k, tKs, tKg, tma_v, tVs, tVg)
+
+        # ---- prologue: Q and the first kv_stages K/V tiles ---------------------------------------------------
+        if warp == 0:
+            if n_blocks > 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(q_full, self.q_bytes)
+                cute.copy(tma_q, tQg[(None, m_block, 0, (h, b))], tQs[(None, 0)], tma_bar_ptr=q_full)
+            for s in cutlass.range_constexpr(ST):
+                if s < n_blocks:
+                    self._issue_kv(s, s, tmas, full, h_kv, b)
+
+        # ---- per-thread row state: thread t = TMEM lane t = query row t of the tile ---------------------------
+        row = m_block * BLOCK_Q + tidx
+        mQS = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
+                               cute.make_layout(batch * num_heads * num_q_groups))
+        mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),
+                               cute.make_layout(batch * num_kv_heads * num_k_blocks))
+        q_group = m_block
+        if cutlass.const_expr(cfg.granularity == "per_warp"):
+            q_group = m_block * (BLOCK_Q // WARP_Q) + tidx // WARP_Q
+        # log2-domain scale of this row without the k scale: fp32(q_scale * softmax_scale * log2 e)
+        qs_log2 = Float32(0.0)
+        if n_blocks > 0:
+            qs_log2 = mQS[(b * num_heads + h) * num_q_groups + q_group] * scale_log2
+        ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
+        key_end = seqlen_k  # keys < key_end are visible to this row
+        if cutlass.const_expr(cfg.causal):
+            key_end = cutlass.min(seqlen_k, row + diag + 1)
+        m_run = Float32(-math.inf)
+        l_run = Float32(0.0)
+
+        # TMEM <-> register copies of one row (thread = lane): S (s32 x 128), P (16-bit x 128 as 64 words), O
+        ld_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Int32), tStS)
+        thr_ld_s = ld_s.get_slice(tidx)
+        tSt = thr_ld_s.partition_S(tStS)
+        tSc = thr_ld_s.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
+        tStP = cute.make_tensor(tmem_ptr + p_col,
+                                cute.composition(s_layout, cute.make_layout((BLOCK_Q, BLOCK_K // 2))))
+        st_p = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tStP)
+        tPt = st_p.get_slice(tidx).partition_D(tStP)
+        tPc = st_p.get_slice(tidx).partition_S(cute.make_identity_tensor((BLOCK_Q, BLOCK_K // 2)))
+        ld_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
+        thr_ld_o = ld_o.get_slice(tidx)
+        tOt = thr_ld_o.partition_S(tOtO)
+        tOc = thr_ld_o.partition_D(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
+        st_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
+        tOt_st = st_o.get_slice(tidx).partition_D(tOtO)
+        tOc_st = st_o.get_slice(tidx).partition_S(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
+        _check_order(tSc, BLOCK_K)  # register i of the S row = key column i (the P packing below relies on it)
+        _check_order(tPc, BLOCK_K // 2)  # P word j goes to TMEM column j (= keys 2j, 2j+1)
+        _check_same_cells(tOc, tOc_st, "O rescale")  # O load and store enumerate the same cells in the same order
+
+        if n_blocks > 0:
+            cute.arch.mbarrier_wait(q_full, 0)
+
+        # ---- main loop over K/V tiles ------------------------------------------------------------------------
+        for it in cutlass.range(n_blocks, unroll=1):
+            stage = it % ST
+            cute.arch.mbarrier_wait(full + stage, (it // ST) % 2)
+            if warp == 0:
+                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):  # head_dim / 32 k-blocks
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(qk_mma, tStS, tCrQ[(None, None, kb, 0)], tCrK[(None, None, kb, stage)], tStS)
+                with cute.arch.elect_one():
+                    tcgen05.commit(s_done)
+            cute.arch.mbarrier_wait(s_done, it % 2)
+            _tcgen05_fence("after_thread_sync")
+
+            # ---- online softmax, thread = row --------------------------------------------------------------
+            rSi = cute.make_rmem_tensor(tSc.shape, Int32)
+            cute.copy(ld_s, tSt, rSi)
+            # tcgen05.ld is asynchronous: its registers are defined only after tcgen05.wait::ld
+            cute.arch.fence_view_async_tmem_load()
+            # fp32(fp32(q_scale * softmax_scale * log2 e) * k_scale): the tile's log2-domain scale
+            scale = qs_log2 * mKS[ks_base + it]
+            col0 = it * BLOCK_K
+            rS = cute.make_rmem_tensor(tSc.shape, Float32)
+            mx = Float32(-math.inf)
+            for i in cutlass.range_constexpr(cute.size(rS)):
+                # int32 -> fp32 is exact (|S| < 2^22); masked keys are selected to -inf after the multiply
+                x = _sel(col0 + tSc[i][1] < key_end, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
+                rS[i] = x
+                mx = _fmax(mx, x)
+            m_new = _fmax(m_run, mx)
+            m_use = _sel(m_new == Float32(-math.inf), Float32(0.0), m_new, Float32)  # no inf - inf
+            corr = _ex2(m_run - m_use)
+            m_run = m_new
+            psum = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(rS)):
+                p = _ex2(rS[i] - m_use)
+                psum = psum + p  # the row sum adds the unrounded fp32 p
+                rS[i] = p
+            l_run = l_run * corr + psum
+            # P rounded to V's type, two per 32-bit TMEM column (column j = keys 2j, 2j+1)
+            rPw = cute.make_rmem_tensor(tPc.shape, Float32)
+            for j in cutlass.range_constexpr(cute.size(rPw)):
+                rPw[j] = _pack2(rS[2 * j], rS[2 * j + 1], cfg.v_dtype == "bf16")
+            cute.copy(st_p, rPw, tPt)
+            # O *= corr when the running max moved (the previous P.V finished: o_done was waited on). tcgen05.ld/st
+            # are warp-collective, so the test is per warp (vote.any): a lane whose max did not move has corr == 1
+            # exactly and multiplies by 1, which changes nothing.
+            if it > 0:
+                if cute.arch.vote_any_sync(corr < Float32(1.0)):
+                    rO = cute.make_rmem_tensor(tOc.shape, Float32)
+                    cute.copy(ld_o, tOt, rO)
+                    cute.arch.fence_view_async_tmem_load()
+                    rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
+                    for i in cutlass.range_constexpr(cute.size(rO)):
+                        rO2[i] = rO[i] * corr
+                    cute.copy(st_o, rO2, tOt_st)
+            cute.arch.fence_view_async_tmem_store()  # tcgen05.st -> visible to the tcgen05.mma that reads P / O
+            _tcgen05_fence("before_thread_sync")
+            cute.arch.sync_threads()
+            _tcgen05_fence("after_thread_sync")
+            if warp == 0:
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):  # 128 keys / 16 k-blocks
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, it > 0 or kb != 0)
+                    cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, stage)], tOtO)
+                with cute.arch.elect_one():
+                    tcgen05.commit(o_done)
+            cute.arch.mbarrier_wait(o_done, it % 2)
+            _tcgen05_fence("after_thread_sync")
+            # K and V of this stage are consumed: prefetch tile it + kv_stages into it
+            if warp == 0:
+                if it + ST < n_blocks:
+                    self._issue_kv(it + ST, stage, tmas, full, h_kv, b)
+
+        # ---- epilogue: thread = row; O / l, LSE in natural log ------------------------------------------------
+        has = l_run > Float32(0.0)
+        inv = _sel(has, Float32(1.0) / l_run, Float32(0.0), Float32)
+        lse = _sel(has, (m_run + _lg2(l_run)) * Float32(_LN2), Float32(-math.inf), Float32)
+        rO = cute.make_rmem_tensor(tOc.shape, Float32)
+        if n_blocks > 0:
+            cute.copy(ld_o, tOt, rO)
+            cute.arch.fence_view_async_tmem_load()
+        else:
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                rO[i] = Float32(0.0)
+        if row < seqlen_q:
+            mOut = cute.make_tensor(cute.make_ptr(self.v_dtype, o_addr, gmem, assumed_align=2),
+                                    cute.make_layout(batch * seqlen_q * num_heads * D))
+            base = ((b * seqlen_q + row) * num_heads + h) * D
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                mOut[base + tOc[i][1]] = (rO[i] * inv).to(self.v_dtype)
+            mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
+                                  cute.make_layout(batch * num_heads * seqlen_q))
+            mL[(b * num_heads + h) * seqlen_q + row] = lse
+
+        # ---- teardown -------------------------------------------------------------------------------------------
+        _tcgen05_fence("before_thread_sync")
+        cute.arch.sync_threads()
+        tmem.relinquish_alloc_permit()
+        tmem.free(tmem_ptr)
+
+    # ======================================================================================================
+    def _issue_kv(self, tile, stage, tmas, full, h_kv, b):
+        """TMA of K/V tile ``tile`` (keys tile*128 ..) of kv head ``h_kv`` into ring slot ``stage``; one mbarrier
+        counts the bytes of both (rows past seqlen_k are zero-filled by TMA and still counted)."""
+        tma_k, tKs, tKg, tma_v, tVs, tVg = tmas
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.kv_bytes)
+        cute.copy(tma_k, tKg[(None, tile, 0, (h_kv, b))], tKs[(None, stage)], tma_bar_ptr=full + stage)
+        cute.copy(tma_v, tVg[(None, 0, tile, (h_kv, b))], tVs[(None, stage)], tma_bar_ptr=full + stage)
+
+
+def _check_same_cells(a, b, what: str) -> None:
+    """Trace-time check: register i of two TMEM copy partitions of one thread holds the same column (the O
+    rescale loads with one partition and stores with another, element by element). The row is the thread's
+    lane in both (a runtime value, thread = lane), so only the columns are compared; they must be static."""
+    if cute.size(a) != cute.size(b):
+        raise AssertionError(f"{what}: partitions of {cute.size(a)} and {cute.size(b)} values")
+    for i in range(cute.size(a)):
+        ca, cb = a[i][1], b[i][1]
+        if not (isinstance(ca, int) and isinstance(cb, int)):
+            raise AssertionError(f"{what}: register {i}'s column is not known at trace time")
+        if ca != cb:
+            raise AssertionError(f"{what}: register {i} holds column {ca} in one partition and {cb} in the other")
+
+
+def prefill_sm100_compile_args() -> list:
+    """Placeholder arguments of :meth:`QKInt8PrefillSm100.__call__` to compile without a GPU (zero addresses)."""
+    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+
+
+def prefill_sm100_cache_key(arch: str, cfg: PrefillConfigSm100) -> tuple:
+    return (arch,) + cfg.key

@@ -1,0 +1,116 @@
+"""SM100 launcher of the INT8-QK prefill (``flash_attn_func`` / ``prefill_int8`` on compute capability 10.x,
+reached through ``prefill.py``'s arch dispatch). NEVER RAN ON HARDWARE: no Blackwell GPU was available; the
+kernel is compile-checked for sm_100a and emulated on the CPU (``qattn.cute_kernels.sm100.emulate_prefill``).
+
+The caller's tensors were validated by ``prefill.py`` already (shapes, dtypes, the prepass's scale shapes,
+which are the same on SM90 and SM100); this adds the SM100 kernel's own limits and launches it from the shared
+``"prefill"`` compile cache with arch ``"sm_100a"``. What the SM100 kernel does not do raises here, never
+falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .variants import Variant, cache_for
+
+__all__ = ["ARCH", "sm100_prefill_config_for", "check_sm100_prefill_options", "prefill_int8_sm100",
+           "sm100_prefill_variants"]
+
+ARCH = "sm_100a"
+_V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
+                                tuning: Optional[dict] = None) -> None:
+    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
+    if varlen:
+        raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
+                                  "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "
+                                  "pv_dtype='bf16'")
+    if pv_dtype != "bf16":
+        raise NotImplementedError(f"pv_dtype: {pv_dtype!r} P.V is not implemented on SM100 yet; the SM100 prefill "
+                                  "runs P.V in V's 16-bit dtype (pv_dtype='bf16')")
+    if qk_quant != "int8":
+        raise NotImplementedError(f"qk_quant: {qk_quant!r} (the unquantized 16-bit A/B path) is not implemented on "
+                                  "SM100; the SM100 prefill kernel takes qk_quant='int8' only")
+    if tuning:
+        raise ValueError(f"_tuning: {sorted(tuning)} are SM90 kernel knobs; the SM100 prefill kernel has none")
+
+
+def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str):
+    """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments."""
+    from ..cute_kernels.sm100.prefill_config import PrefillConfigSm100
+
+    if v_dtype not in _V_DTYPES:
+        raise TypeError(f"v: expected torch.bfloat16 or torch.float16, got {v_dtype}")
+    return PrefillConfigSm100(head_dim=head_dim, v_dtype=_V_DTYPES[v_dtype], causal=bool(causal),
+                              granularity=granularity)
+
+
+def _build(cfg):
+    from ..cute_kernels.compile_utils import compile_for_arch
+    from ..cute_kernels.sm100.prefill_int8 import QKInt8PrefillSm100, prefill_sm100_compile_args
+
+    return compile_for_arch(QKInt8PrefillSm100(cfg), *prefill_sm100_compile_args(), arch=ARCH, keep_ptx=False)[0]
+
+
+def _kernel(cfg):
+    """The compiled kernel from the shared ``"prefill"`` cache (key = arch + config key, like SM90's)."""
+    from ..cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
+
+    return cache_for("prefill").get(prefill_sm100_cache_key(ARCH, cfg), lambda: _build(cfg))
+
+
+def _launch(cfg, args: tuple, device: torch.device) -> None:
+    """Launch on torch's current stream of ``device`` (``args``: the kernel's arguments before the stream)."""
+    from .fast_launch import fast
+
+    kern = _kernel(cfg)
+    with torch.cuda.device(device):
+        fast(kern)(*args, torch.cuda.current_stream(device).cuda_stream)
+
+
+def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                       granularity: str) -> None:
+    """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
+    q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
+    writes out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+    B, Sq, Hq, D = q_int8.shape
+    Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
+    if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
+        raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
+    cfg = sm100_prefill_config_for(D, v.dtype, causal, granularity)
+    args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
+            k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
+            softmax_scale * math.log2(math.e))
+    _launch(cfg, args, q_int8.device)
+
+
+def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None) -> list:
+    """``qattn-warmup`` variants of the SM100 prefill kernel: head_dim x V dtype x causal x q-scale granularity
+    (dense, INT8 Q K^T, P.V in V's dtype), with the launcher's own keys. Never ran on hardware: these variants
+    are compiled for images, not tested on a GPU."""
+    from ..cute_kernels.sm100.prefill_config import HEAD_DIMS
+    from ..cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
+
+    if arch != ARCH:
+        return []
+    dts = {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16}
+    out, seen = [], set()
+    for d in [x for x in (head_dims or HEAD_DIMS) if x in HEAD_DIMS]:
+        for name in q_dtypes or ["bf16", "fp16"]:
+            if name not in dts or (d, dts[name]) in seen:
+                continue
+            seen.add((d, dts[name]))
+            for causal in (False, True):
+                for gran in ("per_warp", "per_block"):
+                    cfg = sm100_prefill_config_for(d, dts[name], causal, gran)
+                    label = f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran} (sm100, never ran)"
+                    out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
+                                       lambda cfg=cfg: _build(cfg)))
+    return out

@@ -1,0 +1,144 @@
+"""CPU tests of the prefill arch dispatch: compute capability 10.x -> the SM100 INT8-QK kernel, 9.0 -> SM90, others
+a clear error; SM100's missing options raise before any launch. The capability is mocked and CPU tensors are
+made to look like CUDA tensors (``is_cuda``); the prepass is the exact torch reference and the final kernel
+launch is replaced by a recorder, so nothing launches (the SM100 kernel never ran on hardware)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qattn
+from qattn.cute_kernels.sm100.prefill_config import PrefillConfigSm100
+from qattn.cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
+from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+from qattn.interface import prefill as pf
+from qattn.interface import prefill_sm100
+from qattn.quant.qk_int8 import quantize_qk_int8_reference
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """``gpu(cap)``: pretend CPU tensors live on a GPU of compute capability ``cap``; returns the list that the
+    recorders fill with ('sm90' | 'sm100', cfg, args)."""
+    calls = []
+
+    def set_cap(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        import qattn.quant.launch as ql
+
+        def fake_prepass(q, k, *, granularity, smooth_k, block_q, warp_q, block_k):
+            return quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                              warp_q=warp_q, block_k=block_k)
+
+        monkeypatch.setattr(ql, "quantize_qk_int8", fake_prepass)
+        monkeypatch.setattr(prefill_sm100, "_launch", lambda cfg, args, dev: calls.append(("sm100", cfg, args)))
+        monkeypatch.setattr(pf, "_launch", lambda cfg, *args: calls.append(("sm90", cfg, args)))
+        return calls
+
+    return set_cap
+
+
+def _qkv(B=2, Sq=200, Sk=300, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, Sq, Hq, D, generator=g).to(dtype), torch.randn(B, Sk, Hkv, D, generator=g).to(dtype),
+            torch.randn(B, Sk, Hkv, D, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_100a")])
+def test_arch_dispatch(monkeypatch, cap, arch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    assert pf._check_arch(torch.device("cpu")) == arch
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (12, 0), (9, 1)])
+def test_other_arch_is_a_clear_error(monkeypatch, cap):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    with pytest.raises(ValueError, match="SM90 .* and SM100"):
+        pf._check_arch(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("D,dtype,causal,gran", [(128, torch.bfloat16, True, "per_warp"),
+                                                 (64, torch.float16, False, "per_block")])
+def test_flash_attn_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran):
+    calls = gpu((10, 0))
+    q, k, v = _qkv(D=D, dtype=dtype)
+    out, lse = qattn.flash_attn_func(q, k, v, causal=causal, granularity=gran, return_lse=True)
+    assert len(calls) == 1 and calls[0][0] == "sm100"
+    _, cfg, args = calls[0]
+    assert cfg == PrefillConfigSm100(D, "bf16" if dtype == torch.bfloat16 else "fp16", causal, gran)
+    n_qg = 2 * (8 if gran == "per_warp" else 1)  # ceil(200 / 128) q blocks
+    # (7 addresses) B, Sq, Sk, Hq, Hkv, q groups, k blocks, softmax_scale * log2 e
+    assert args[7:14] == (2, 200, 300, 4, 2, n_qg, 3)
+    assert math.isclose(args[14], math.log2(math.e) / math.sqrt(D))
+    assert all(isinstance(a, int) and a != 0 for a in args[:7])
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, 200)
+    # the compile-cache key: the arch first, then everything that changes the code
+    assert prefill_sm100_cache_key("sm_100a", cfg)[:2] == ("sm_100a", "sm100_prefill_int8")
+
+
+def test_sm90_still_gets_the_sm90_kernel(gpu):
+    calls = gpu((9, 0))
+    q, k, v = _qkv()
+    qattn.flash_attn_func(q, k, v, causal=True)
+    assert len(calls) == 1 and calls[0][0] == "sm90" and isinstance(calls[0][1], PrefillConfig)
+
+
+def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
+    calls = gpu((10, 0))
+    import qattn.quant.launch as ql
+
+    def no_prepass(*a, **k):
+        raise AssertionError("the prepass must not run when the SM100 kernel cannot")
+
+    monkeypatch.setattr(ql, "quantize_qk_int8", no_prepass)
+    monkeypatch.setattr(ql, "quantize_qk_int8_varlen", no_prepass)
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match="pv_dtype: 'fp8' P.V is not implemented on SM100"):
+        qattn.flash_attn_func(q, k, v, pv_dtype="fp8")
+    with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
+        qattn.flash_attn_func(q, k, v, qk_quant=None)
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
+        qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
+    # the kernel-only entry points too
+    q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k)
+    with pytest.raises(ValueError, match="SM90 kernel knobs"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, _tuning={"kv_stages": 3})
+    with pytest.raises(NotImplementedError, match="varlen"):
+        qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
+                                                    torch.tensor([0, 200], dtype=torch.int32),
+                                                    torch.tensor([0, 300], dtype=torch.int32), 200, 300)
+    assert calls == []
+
+
+def test_sm100_variants_are_the_launcher_keys():
+    from qattn.interface.variants import enumerate_variants
+
+    keys = {v.key for v in enumerate_variants("prefill", "sm_100a")}
+    assert len(keys) == 2 * 2 * 2 * 2  # head_dim x v dtype x causal x granularity
+    for d in (64, 128):
+        for dt in (torch.bfloat16, torch.float16):
+            for causal in (False, True):
+                for gran in ("per_warp", "per_block"):
+                    cfg = prefill_sm100.sm100_prefill_config_for(d, dt, causal, gran)
+                    assert prefill_sm100_cache_key("sm_100a", cfg) in keys
+    assert not keys & {v.key for v in enumerate_variants("prefill", "sm_90a")}
+    assert {v.key for v in enumerate_variants("prefill", "sm_100a", head_dims=[64], q_dtypes=["bf16", "f16"])} \
+        == {prefill_sm100_cache_key("sm_100a", prefill_sm100.sm100_prefill_config_for(64, dt, c, g))
+            for dt in (torch.bfloat16, torch.float16) for c in (False, True) for g in ("per_warp", "per_block")}
+
+
+@pytest.mark.compile
+def test_warmup_cli_compiles_sm100_prefill_on_the_cpu(tmp_path):
+    from tests.interface.test_warmup import run_cli
+
+    args = ["--arch", "sm_100a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
+    first = run_cli(*args, cache_dir=tmp_path)
+    assert first.returncode == 0 and "4 variants, 0 failed" in first.stdout, first.stdout + first.stderr
+    second = run_cli(*args, cache_dir=tmp_path)
+    rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_100a")]
+    assert second.returncode == 0 and len(rows) == 4 and all(" cached " in ln for ln in rows)

@@ -1,0 +1,59 @@
+"""CPU CI: every shipped SM100 INT8-QK prefill variant (head_dim 64/128 x causal x q-scale granularity x V dtype,
+16 in all) compiles for sm_100a, and its PTX holds the int8 tcgen05.mma (Q K^T), the 16-bit tcgen05.mma (P.V),
+TMA loads, TMEM allocation and the TMEM loads/stores with their waits. Compile times are appended to
+``$QATTN_COMPILE_TIMES`` (default: none) and printed. NOTE: this kernel never ran on hardware."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import pytest
+
+from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
+from qattn.cute_kernels.sm100.prefill_config import PrefillConfigSm100
+from qattn.cute_kernels.sm100.prefill_int8 import QKInt8PrefillSm100, prefill_sm100_compile_args
+
+CASES = list(itertools.product((64, 128), (False, True), ("per_warp", "per_block"), ("bf16", "fp16")))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}-{c[3]}")
+def test_prefill_sm100_compiles(case):
+    D, causal, gran, vd = case
+    cfg = PrefillConfigSm100(D, vd, causal, gran)
+    t0 = time.perf_counter()
+    _, ptx = compile_for_arch(QKInt8PrefillSm100(cfg), *prefill_sm100_compile_args(), arch="sm_100a")
+    dt = time.perf_counter() - t0
+    print(f"compile sm100 prefill {case}: {dt:.2f} s")
+    path = os.environ.get("QATTN_COMPILE_TIMES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kernel": "sm100_prefill_int8", "case": list(case), "seconds": round(dt, 2)}) + "\n")
+    # Q K^T: head_dim / 32 int8 MMAs per tile (K = 32 bytes per instruction)
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::i8") == D // 32
+    # P.V: 128 keys / 16 per 16-bit MMA; the element type is in the instruction descriptor, not the mnemonic
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::f16") == 128 // 16
+    assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8  # nothing else issues MMAs
+    assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0  # TMA (Q, K, V)
+    assert ptx_count(ptx, r"tcgen05\.alloc") == 1 and ptx_count(ptx, r"tcgen05\.dealloc") == 1
+    assert ptx_count(ptx, r"tcgen05\.commit") == 2  # S done, O done
+    assert ptx_count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b") > 0 and ptx_count(ptx, r"tcgen05\.st\.sync") > 0
+    assert ptx_count(ptx, r"tcgen05\.wait::ld") == 3 and ptx_count(ptx, r"tcgen05\.wait::st") >= 1
+    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128  # the S row: int32 -> fp32
+    pack = r"cvt\.rn\.bf16x2\.f32" if vd == "bf16" else r"cvt\.rn\.f16x2\.f32"
+    assert ptx_count(ptx, pack) == 64  # P rounded to V's type, two per TMEM column
+
+
+def test_config_rejects():
+    with pytest.raises(ValueError, match="head_dim"):
+        PrefillConfigSm100(96, "bf16", True, "per_warp")
+    with pytest.raises(ValueError, match="v_dtype"):
+        PrefillConfigSm100(128, "fp8", True, "per_warp")
+    with pytest.raises(ValueError, match="granularity"):
+        PrefillConfigSm100(128, "bf16", True, "per_thread")
+    assert PrefillConfigSm100(64, "bf16", True, "per_warp").tmem_cols == 256
+    assert PrefillConfigSm100(128, "bf16", True, "per_warp").tmem_cols == 512
+    keys = {PrefillConfigSm100(d, vd, causal, gran).key for d, causal, gran, vd in CASES}
+    assert len(keys) == len(CASES)  # the key tells every variant apart
