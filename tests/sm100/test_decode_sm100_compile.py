@@ -45,6 +45,8 @@ def test_decode_sm100_compiles(case):
     assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0  # TMA
     assert ptx_count(ptx, r"tcgen05\.commit") > 0 and ptx_count(ptx, r"mbarrier") > 0
     assert ptx_count(ptx, r"tcgen05\.ld\.sync") > 0 and ptx_count(ptx, r"tcgen05\.st\.sync") > 0
+    # tcgen05.ld is asynchronous: each load of S / O is waited on before its registers are read
+    assert ptx_count(ptx, r"tcgen05\.wait::ld") >= 3
 
 
 def test_config_rejects():

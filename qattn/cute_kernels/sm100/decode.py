@@ -459,6 +459,7 @@ class DecodeSm100:
             # ---- online softmax, thread = row --------------------------------------------------------------
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
             cute.copy(ld_s, tSt, rS)
+            cute.arch.fence_view_async_tmem_load()  # tcgen05.ld is asynchronous: rS is defined after wait::ld
             mx = Float32(-math.inf)
             for i in cutlass.range_constexpr(cute.size(rS)):
                 pos = tile * TILE_N + tSc[i][1]
@@ -484,6 +485,7 @@ class DecodeSm100:
             if it > 0:  # rescale O (the previous P.V has finished: o_done was waited on)
                 rO = cute.make_rmem_tensor(tOc.shape, Float32)
                 cute.copy(ld_o, tOt, rO)
+                cute.arch.fence_view_async_tmem_load()
                 rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
                 for i in cutlass.range_constexpr(cute.size(rO)):
                     rO2[i] = rO[i] * corr
@@ -508,6 +510,7 @@ class DecodeSm100:
         rO = cute.make_rmem_tensor(tOc.shape, Float32)
         if n_my > 0:
             cute.copy(ld_o, tOt, rO)
+            cute.arch.fence_view_async_tmem_load()
         else:
             for i in cutlass.range_constexpr(cute.size(rO)):
                 rO[i] = Float32(0.0)
