@@ -6,7 +6,7 @@ token; above 128 rows (up to 256: seqlen_q 16 x GQA 16) two m-blocks of 128 rows
 
 Data path (no flatten-to-bf16 pass anywhere):
 
-    pools (gmem) --cp.async 16 B--> smem, raw bytes, 2 stages --LDS + dequant in registers--> mma.sync fragments
+    pools (gmem) --cp.async 16 B--> smem, raw bytes, `stages` deep --LDS + dequant in registers--> mma.sync fragments
 
 * Loads: a tile is ``tile_n`` = 64 tokens. Because pages are powers of two, a tile is either a piece of one page
   or several whole pages, and each piece is one contiguous run of payload bytes (and of scale bytes) in the pool

@@ -12,8 +12,8 @@ Work split (see ``decode.py`` for the why):
               ``w // row_tiles``: with few rows the warps of a CTA split every KV tile between them (flash-decoding
               inside the CTA) and merge their softmax states in shared memory at the end.
     tile_n  = 64 or 128 tokens of K and V per pipeline stage (any page size: a tile is a piece of one page or
-              several whole pages, both contiguous runs in the pools), 2 stages (cp.async double buffering).
-              See :func:`default_tile_n`.
+              several whole pages, both contiguous runs in the pools), ``stages`` deep (2: cp.async double
+              buffering; 3-4 with QATTN_DECODE_STAGES, no faster on an H100). See :func:`default_tile_n`.
     ring    = caches with a recent-token window W: each sequence's newest min(len, W) tokens come from the bf16
               ring, older ones from the pages. Ring tiles (``ring_tile_n`` tokens, one bf16 row per token) follow
               the page tiles in the tile list, so split-KV needs no special case: the ring tiles land in the last
@@ -110,7 +110,8 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
     min_warps = tuning_from_env()[1] if tile_n >= 128 else 4
     stages = tuning_from_env()[2] or STAGES
     return DecodeConfig(k_fmt, v_fmt, head_dim, q_dtype, group, row_tiles_for(rows), page_size, bool(causal),
-                        bool(split), tile_n=tile_n, stages=stages, min_warps=min_warps, m_blocks=m_blocks_for(rows),
+                        bool(split), tile_n=tile_n, stages=stages, min_warps=min_warps,
+                        m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
                         ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16")
 
