@@ -38,7 +38,7 @@ One CTA = one (split, kv head, sequence); 128 threads, thread t = TMEM lane t = 
 Pipeline (v0, deliberately simple): the 4 warps do everything in lock step; warp 0 issues TMA and MMAs (one
 elected lane). Two TMA stages: the loads of tile t+2 are issued as soon as the QK MMA of tile t has finished
 with its stage, so HBM traffic overlaps the softmax / P.V / dequant of the next tiles. No warp specialisation,
-no S/P double buffering yet.
+no S/P double buffering yet. The parts of the loop shared with ``prefill_int8.py`` are in ``lockstep.py``.
 """
 
 from __future__ import annotations
@@ -56,53 +56,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from qattn.cute_kernels.sm100.decode_config import ROWS, TILE_N, DecodeConfigSm100
+from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
+                                               issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
+                                               softmax_exp2, tcgen05_fence, tmem_s_o_p, tmem_stores_to_mma,
+                                               wait_mma)
 
 __all__ = ["DecodeSm100", "decode_sm100_compile_args", "decode_sm100_cache_key"]
-
-_LN2 = math.log(2.0)
-
-
-# ------------------------------------------------------------------------------------------------------
-# small PTX helpers
-# ------------------------------------------------------------------------------------------------------
-@dsl_user_op
-def _tcgen05_fence(kind: str, *, loc=None, ip=None) -> None:
-    """``tcgen05.fence::before_thread_sync`` / ``::after_thread_sync``: order tcgen05 ops across a thread sync."""
-    llvm.inline_asm(res=None, operands_=[], asm_string=f"tcgen05.fence::{kind};", constraints="~{memory}",
-                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _ex2(x, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;",
-                                   "=f,f", has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _lg2(x, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "lg2.approx.f32 $0, $1;",
-                                   "=f,f", has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _pack2(lo, hi, bf16: bool, *, loc=None, ip=None) -> Float32:
-    """Two fp32 -> one 32-bit word of two f16 / bf16 (round to nearest even), ``lo`` in the low half; the word is
-    returned in an fp32-typed register (TMEM stores move 32-bit words)."""
-    t = "bf16x2" if bf16 else "f16x2"
-    return Float32(llvm.inline_asm(T.f32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-                                   "{\n\t.reg .b32 w;\n\tcvt.rn." + t + ".f32 w, $2, $1;\n\tmov.b32 $0, w;\n\t}",
-                                   "=f,f,f", has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-def _sel(cond, a, b, ty):
-    return ty(cutlass.select_(cond, ty(a), ty(b)))
-
-
-def _fmax(a, b):
-    return cute.arch.fmax(Float32(a), Float32(b))
 
 
 class DecodeSm100:
@@ -148,9 +107,7 @@ class DecodeSm100:
             self.vec, tcgen05.CtaGroup.ONE, (ROWS, n))
 
     def _pv_mma(self):
-        return sm100_utils.make_trivial_tiled_mma(
-            self.v_dtype, self.v_dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
-            (ROWS, self.D), tcgen05.OperandSource.TMEM)
+        return make_pv_mma(self.v_dtype, ROWS, self.D)
 
     @cute.jit
     def __call__(
@@ -260,16 +217,8 @@ class DecodeSm100:
         kv_len = mSL[b]
 
         # ---- shared memory ---------------------------------------------------------------------------------
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, S]  # TMA of a KV stage landed
-            q_full: cutlass.Int64  # TMA of Q landed
-            s_done: cutlass.Int64  # QK MMA (and its scale copies) finished
-            o_done: cutlass.Int64  # PV MMA finished
-            tmem_holder: cutlass.Int32
-
         smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(Storage)
+        st = smem.allocate(lockstep_storage(S))  # s_done: the QK MMA and its scale copies
         sQ = smem.allocate_tensor(fp4, q_smem.outer, byte_alignment=128, swizzle=q_smem.inner)
         sK = smem.allocate_tensor(fp4, k_smem.outer, byte_alignment=128, swizzle=k_smem.inner)
         sQSF = smem.allocate_tensor(self.sf_dtype, sfq_smem, byte_alignment=128)
@@ -284,35 +233,14 @@ class DecodeSm100:
         sVSraw = smem.allocate_tensor(Uint8, cute.make_layout((TILE_N * self.v_srb // 16, 16, S),
                                                               stride=(16, 1, TILE_N * self.v_srb)),
                                       byte_alignment=128)
-        full = st.full.data_ptr()
-        q_full = st.q_full.ptr
-        s_done = st.s_done.ptr
-        o_done = st.o_done.ptr
-        if warp == 0:
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(S):
-                    cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(q_full, 1)
-                cute.arch.mbarrier_init(s_done, 1)
-                cute.arch.mbarrier_init(o_done, 1)
-        cute.arch.mbarrier_init_fence()
+        full, q_full, s_done, o_done = init_barriers(st, S, warp)
 
         # ---- tensor memory: S | O | P | SFQ | SFK -------------------------------------------------------------
-        tmem = cutlass.utils.TmemAllocator(st.tmem_holder.ptr, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
-            barrier_id=1, num_threads=self.threads))
-        tmem.allocate(self.tmem_cols)
-        tmem.wait_for_alloc()
-        tmem_ptr = tmem.retrieve_ptr(Float32)
+        tmem, tmem_ptr = allocate_tmem(st, self.tmem_cols, self.threads)
         thr_qk = qk_mma.get_slice(0)
         thr_pv = pv_mma.get_slice(0)
-        tStS = cute.make_tensor(tmem_ptr, qk_mma.make_fragment_C(qk_mma.partition_shape_C(self.qk_tiler[:2])).layout)
-        o_col = TILE_N
-        tOtO = cute.make_tensor(tmem_ptr + o_col,
-                                pv_mma.make_fragment_C(pv_mma.partition_shape_C(self.pv_tiler[:2])).layout)
-        p_col = o_col + D
-        tP = cute.make_tensor(tmem_ptr + p_col, p_tmem.outer)
-        tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + p_col, dtype=self.v_dtype),
-                                thr_pv.make_fragment_A(tP)[None, None, None, 0].layout)
+        tStS, tOtO, tOrP, p_col = tmem_s_o_p(tmem_ptr, qk_mma, pv_mma, thr_pv, p_tmem, self.qk_tiler, self.pv_tiler,
+                                             Float32, self.v_dtype)
         sf_col = p_col + TILE_N // 2
         tQSF_layout = blockscaled_utils.make_tmem_layout_sfa(qk_mma, self.qk_tiler, self.vec,
                                                              cute.slice_(sfq_smem, (None, None, None, 0)))
@@ -367,8 +295,8 @@ class DecodeSm100:
         n_tiles = (kv_len + (TILE_N - 1)) // TILE_N
         per = (n_tiles + num_splits - 1) // num_splits
         t_begin = split * per
-        t_end = _sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
-        n_my = _sel(t_end > t_begin, t_end - t_begin, 0, Int32)
+        t_end = sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
+        n_my = sel(t_end > t_begin, t_end - t_begin, 0, Int32)
 
         # ---- prologue: Q (+ scales) and the first S tiles -----------------------------------------------------------
         if warp == 0:
@@ -389,7 +317,7 @@ class DecodeSm100:
         lim = kv_len - 1
         if cutlass.const_expr(cfg.causal):
             lim = kv_len - seqlen_q + i_q  # end-aligned causal mask
-        lim = _sel(lim < kv_len - 1, lim, kv_len - 1, Int32)
+        lim = sel(lim < kv_len - 1, lim, kv_len - 1, Int32)
         sl2 = scale_log2 * mQRS[(b * num_kv_heads + h) * ROWS + r]
         if cutlass.const_expr(cfg.k_fmt.has_global_scale):
             mKG = cute.make_tensor(cute.make_ptr(Float32, kg_addr, gmem, assumed_align=4),
@@ -402,24 +330,9 @@ class DecodeSm100:
             vg = mVG[h]
         m_run = Float32(-math.inf)
         l_run = Float32(0.0)
-
         # TMEM <-> register copies of one row (thread = lane): S (fp32 x 128), P (16-bit x 128 as 64 words), O
-        ld_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tStS)
-        thr_ld_s = ld_s.get_slice(tidx)
-        tSt = thr_ld_s.partition_S(tStS)
-        tSc = thr_ld_s.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
-        tStP = cute.make_tensor(tmem_ptr + p_col, cute.composition(tStS.layout, cute.make_layout((ROWS, TILE_N // 2))))
-        st_p = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tStP)
-        tPt = st_p.get_slice(tidx).partition_D(tStP)
-        tPc = st_p.get_slice(tidx).partition_S(cute.make_identity_tensor((ROWS, TILE_N // 2)))
-        ld_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
-        thr_ld_o = ld_o.get_slice(tidx)
-        tOt = thr_ld_o.partition_S(tOtO)
-        st_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
-        tOt_st = st_o.get_slice(tidx).partition_D(tOtO)
-        tOc_st = st_o.get_slice(tidx).partition_S(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
-        tOc = thr_ld_o.partition_D(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
-        _check_order(tSc, TILE_N)
+        trow = TmemRow.make(tStS, tOtO, tmem_ptr, p_col, thr_qk, thr_pv, self.qk_tiler, self.pv_tiler, tidx)
+        tSc = trow.tSc
 
         # ---- Q landed: its scales go to TMEM once (warp 0) ---------------------------------------------------
         cute.arch.mbarrier_wait(q_full, 0)
@@ -434,7 +347,7 @@ class DecodeSm100:
             self._dequant_v(sVraw, sVSraw, sV, stage, tidx, tile * TILE_N + tidx < kv_len)
             cute.arch.fence_view_async_shared()  # generic-proxy SMEM writes -> visible to tcgen05.cp / mma
             cute.arch.sync_threads()
-            _tcgen05_fence("after_thread_sync")
+            tcgen05_fence("after_thread_sync")
             if warp == 0:
                 if it == 0:
                     for t in cutlass.range_constexpr(cfg.q_terms):
@@ -448,8 +361,7 @@ class DecodeSm100:
                         cute.gemm(qk_mma, tStS, tCrQ[(None, None, kb, t)], tCrK[(None, None, kb, stage)], tStS)
                 with cute.arch.elect_one():
                     tcgen05.commit(s_done)
-            cute.arch.mbarrier_wait(s_done, it % 2)
-            _tcgen05_fence("after_thread_sync")
+            wait_mma(s_done, it % 2)
             # this stage's buffers are free again: prefetch tile it + S into it
             if warp == 0:
                 if it + S < n_my:
@@ -457,63 +369,27 @@ class DecodeSm100:
                                      max_blocks, num_blocks, num_kv_heads)
 
             # ---- online softmax, thread = row --------------------------------------------------------------
-            rS = cute.make_rmem_tensor(tSc.shape, Float32)
-            cute.copy(ld_s, tSt, rS)
-            cute.arch.fence_view_async_tmem_load()  # tcgen05.ld is asynchronous: rS is defined after wait::ld
+            rS = trow.load_s(Float32)
             mx = Float32(-math.inf)
             for i in cutlass.range_constexpr(cute.size(rS)):
                 pos = tile * TILE_N + tSc[i][1]
-                x = _sel(pos <= lim, rS[i] * sl2, Float32(-math.inf), Float32)
+                x = sel(pos <= lim, rS[i] * sl2, Float32(-math.inf), Float32)
                 rS[i] = x
-                mx = _fmax(mx, x)
-            m_new = _fmax(m_run, mx)
-            m_use = _sel(m_new == Float32(-math.inf), Float32(0.0), m_new, Float32)
-            corr = _ex2(m_run - m_use)
-            m_run = m_new
-            # P in the V type, two per 32-bit TMEM column (column j of P = token j, as the S load order: the
-            # 32x32b load gives thread r the columns of row r in order, which _check_order asserts at trace time)
-            rPw = cute.make_rmem_tensor(tPc.shape, Float32)
-            psum = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(rS)):
-                p = _ex2(rS[i] - m_use)
-                psum = psum + p
-                rS[i] = p
-            for j in cutlass.range_constexpr(cute.size(rPw)):
-                rPw[j] = _pack2(rS[2 * j], rS[2 * j + 1], self.cfg.v_dtype == "bf16")
+                mx = fmax(mx, x)
+            m_run, corr, psum = softmax_exp2(rS, mx, m_run)
+            rPw = trow.pack_p(rS, self.cfg.v_dtype == "bf16")  # column j of P = token j (TmemRow.make checks it)
             l_run = l_run * corr + psum
-            cute.copy(st_p, rPw, tPt)
+            trow.store_p(rPw)
             if it > 0:  # rescale O (the previous P.V has finished: o_done was waited on)
-                rO = cute.make_rmem_tensor(tOc.shape, Float32)
-                cute.copy(ld_o, tOt, rO)
-                cute.arch.fence_view_async_tmem_load()
-                rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    rO2[i] = rO[i] * corr
-                cute.copy(st_o, rO2, tOt_st)
-            cute.arch.fence_view_async_tmem_store()
-            _tcgen05_fence("before_thread_sync")
-            cute.arch.sync_threads()
-            _tcgen05_fence("after_thread_sync")
+                trow.rescale_o(corr)
+            tmem_stores_to_mma()
             if warp == 0:
-                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, it > 0 or kb != 0)
-                    cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, 0)], tOtO)
-                with cute.arch.elect_one():
-                    tcgen05.commit(o_done)
-            cute.arch.mbarrier_wait(o_done, it % 2)
-            _tcgen05_fence("after_thread_sync")
+                pv_mma = issue_pv_mma(pv_mma, tOtO, tOrP, tCrV, 0, it, o_done)
+            wait_mma(o_done, it % 2)
 
         # ---- epilogue: thread = row; O / l (x V global scale), LSE in natural log -----------------------------------
-        has = l_run > Float32(0.0)
-        inv = _sel(has, vg / l_run, Float32(0.0), Float32)
-        lse = _sel(has, (m_run + _lg2(l_run)) * Float32(_LN2), Float32(-math.inf), Float32)
-        rO = cute.make_rmem_tensor(tOc.shape, Float32)
-        if n_my > 0:
-            cute.copy(ld_o, tOt, rO)
-            cute.arch.fence_view_async_tmem_load()
-        else:
-            for i in cutlass.range_constexpr(cute.size(rO)):
-                rO[i] = Float32(0.0)
+        inv, lse = row_epilogue(m_run, l_run, vg)
+        rO = trow.load_o(n_my)
         if r < rows:
             hq = h * G + r % G
             if cutlass.const_expr(cfg.split):
@@ -521,7 +397,7 @@ class DecodeSm100:
                                        cute.make_layout(num_splits * batch * seqlen_q * Hq * D))
                 base = (((split * batch + b) * seqlen_q + i_q) * Hq + hq) * D
                 for i in cutlass.range_constexpr(cute.size(rO)):
-                    mOp[base + tOc[i][1]] = rO[i] * inv
+                    mOp[base + trow.tOc[i][1]] = rO[i] * inv
                 mLp = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
                                        cute.make_layout(num_splits * batch * Hq * seqlen_q))
                 mLp[((split * batch + b) * Hq + hq) * seqlen_q + i_q] = lse
@@ -530,16 +406,12 @@ class DecodeSm100:
                                         cute.make_layout(batch * seqlen_q * Hq * D))
                 base = ((b * seqlen_q + i_q) * Hq + hq) * D
                 for i in cutlass.range_constexpr(cute.size(rO)):
-                    mOut[base + tOc[i][1]] = (rO[i] * inv).to(self.out_dtype)
+                    mOut[base + trow.tOc[i][1]] = (rO[i] * inv).to(self.out_dtype)
                 mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
                                       cute.make_layout(batch * Hq * seqlen_q))
                 mL[(b * Hq + hq) * seqlen_q + i_q] = lse
 
-        # ---- teardown -------------------------------------------------------------------------------------------
-        _tcgen05_fence("before_thread_sync")
-        cute.arch.sync_threads()
-        tmem.relinquish_alloc_permit()
-        tmem.free(tmem_ptr)
+        free_tmem(tmem, tmem_ptr)
 
     # ======================================================================================================
     # device helpers
@@ -557,10 +429,10 @@ class DecodeSm100:
         for i in range(self.n_pieces):
             token0 = tile * TILE_N + i * P
             valid = token0 < kv_len
-            bt_idx = _sel(valid, b * max_blocks + token0 // cfg.page_size, b * max_blocks, Int32)
-            blk = _sel(valid, mBT[bt_idx], 0, Int32)
-            blk = _sel(blk < num_blocks, blk, num_blocks - 1, Int32)
-            blk = _sel(blk > 0, blk, 0, Int32)
+            bt_idx = sel(valid, b * max_blocks + token0 // cfg.page_size, b * max_blocks, Int32)
+            blk = sel(valid, mBT[bt_idx], 0, Int32)
+            blk = sel(blk < num_blocks, blk, num_blocks - 1, Int32)
+            blk = sel(blk > 0, blk, 0, Int32)
             row0 = (blk * num_kv_heads + h) * cfg.page_size + token0 % cfg.page_size
             piece = row0 // P
             # element offset of piece i of the stage: a multiple of 16 rows x D FP4 (>= 512 B, whole swizzle atoms)
@@ -606,7 +478,7 @@ class DecodeSm100:
                 scale = _e4m3_to_f32(sbyte)
             else:
                 scale = _ue8m0_to_f32(sbyte)
-            scale = _sel(valid, scale, Float32(0.0), Float32)
+            scale = sel(valid, scale, Float32(0.0), Float32)
             for j in range(sb // 2):
                 byte = Uint32(raw[tok * rb + blk * sb // 2 + j])
                 for nib in range(2):
@@ -614,14 +486,6 @@ class DecodeSm100:
                     d = blk * sb + 2 * j + nib
                     val = _e2m1_to_f32(code) * scale
                     sV[((d, kt), 0, kb, 0)] = val.to(self.v_dtype)
-
-
-def _check_order(tc, n):
-    """Trace-time check: register i of a thread's TMEM row load holds column i (the P packing relies on it)."""
-    for i in range(n):
-        c = tc[i][1]
-        if isinstance(c, int) and c != i:
-            raise AssertionError(f"TMEM load order: register {i} holds column {c}")
 
 
 @dsl_user_op

@@ -36,7 +36,8 @@ MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> reg
 TMEM (only in warps whose running max moved) -> fence + CTA barrier -> P . V MMA -> commit/wait -> TMA of tile
 it + kv_stages into the freed stage. No warp specialisation, no S/P double buffering, no overlap of softmax
 with the tensor core: performance unknown, certainly far from the hardware's peak. Epilogue: O / l straight
-from registers to global memory (no TMA store).
+from registers to global memory (no TMA store). The parts of the loop shared with ``decode.py`` are in
+``lockstep.py``.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from qattn.cute_kernels.sm100.decode import _check_order, _ex2, _fmax, _lg2, _pack2, _sel, _tcgen05_fence
+from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
+                                               issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
+                                               softmax_exp2, tmem_s_o_p, tmem_stores_to_mma, wait_mma)
 from qattn.cute_kernels.sm100.prefill_config import BLOCK_K, BLOCK_Q, WARP_Q, PrefillConfigSm100
 
 __all__ = ["QKInt8PrefillSm100", "prefill_sm100_compile_args", "prefill_sm100_cache_key"]
-
-_LN2 = math.log(2.0)
 
 
 class QKInt8PrefillSm100:
@@ -90,10 +91,7 @@ class QKInt8PrefillSm100:
                                                   tcgen05.CtaGroup.ONE, (BLOCK_Q, BLOCK_K))
 
     def _pv_mma(self):
-        # P (A, from TMEM, K-major) x V (B, MN-major: head_dim contiguous) -> fp32: tcgen05.mma kind::f16
-        return sm100_utils.make_trivial_tiled_mma(self.v_dtype, self.v_dtype, OperandMajorMode.K,
-                                                  OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
-                                                  (BLOCK_Q, self.D), tcgen05.OperandSource.TMEM)
+        return make_pv_mma(self.v_dtype, BLOCK_Q, self.D)
 
     @cute.jit
     def __call__(
@@ -182,49 +180,19 @@ class QKInt8PrefillSm100:
             n_blocks = 0
 
         # ---- shared memory ---------------------------------------------------------------------------------
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, ST]  # TMA of a K/V stage landed
-            q_full: cutlass.Int64  # TMA of Q landed
-            s_done: cutlass.Int64  # QK MMA finished (S in TMEM)
-            o_done: cutlass.Int64  # PV MMA finished (O in TMEM, P and the V stage free)
-            tmem_holder: cutlass.Int32
-
         smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(Storage)
+        st = smem.allocate(lockstep_storage(ST))
         sQ = smem.allocate_tensor(Int8, q_smem.outer, byte_alignment=1024, swizzle=q_smem.inner)
         sK = smem.allocate_tensor(Int8, k_smem.outer, byte_alignment=1024, swizzle=k_smem.inner)
         sV = smem.allocate_tensor(self.v_dtype, v_smem.outer, byte_alignment=1024, swizzle=v_smem.inner)
-        full = st.full.data_ptr()
-        q_full = st.q_full.ptr
-        s_done = st.s_done.ptr
-        o_done = st.o_done.ptr
-        if warp == 0:
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(ST):
-                    cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(q_full, 1)
-                cute.arch.mbarrier_init(s_done, 1)
-                cute.arch.mbarrier_init(o_done, 1)
-        cute.arch.mbarrier_init_fence()
+        full, q_full, s_done, o_done = init_barriers(st, ST, warp)
 
         # ---- tensor memory: S (128 cols, s32) | O (D cols, fp32) | P (64 cols: 128 x 16-bit) -----------------
-        tmem = cutlass.memory.TmemAllocator(st.tmem_holder.ptr, barrier_for_retrieve=cutlass.pipeline.NamedBarrier(
-            barrier_id=1, num_threads=self.threads))
-        tmem.allocate(cfg.tmem_cols)
-        tmem.wait_for_alloc()
-        tmem_ptr = tmem.retrieve_ptr(Float32)
+        tmem, tmem_ptr = allocate_tmem(st, cfg.tmem_cols, self.threads)
         thr_qk = qk_mma.get_slice(0)
         thr_pv = pv_mma.get_slice(0)
-        s_layout = qk_mma.make_fragment_C(qk_mma.partition_shape_C(self.qk_tiler[:2])).layout
-        tStS = cute.make_tensor(cute.recast_ptr(tmem_ptr, dtype=Int32), s_layout)  # the MMA's s32 accumulator
-        o_col = BLOCK_K
-        tOtO = cute.make_tensor(tmem_ptr + o_col,
-                                pv_mma.make_fragment_C(pv_mma.partition_shape_C(self.pv_tiler[:2])).layout)
-        p_col = o_col + D
-        tP = cute.make_tensor(tmem_ptr + p_col, p_tmem.outer)
-        tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + p_col, dtype=self.v_dtype),
-                                thr_pv.make_fragment_A(tP)[None, None, None, 0].layout)
+        tStS, tOtO, tOrP, p_col = tmem_s_o_p(tmem_ptr, qk_mma, pv_mma, thr_pv, p_tmem, self.qk_tiler, self.pv_tiler,
+                                             Int32, self.v_dtype)
 
         # ---- MMA operand views (SMEM descriptors) ---------------------------------------------------------------
         tCrQ = qk_mma.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 1)
@@ -272,27 +240,9 @@ class QKInt8PrefillSm100:
             key_end = cutlass.min(seqlen_k, row + diag + 1)
         m_run = Float32(-math.inf)
         l_run = Float32(0.0)
-
         # TMEM <-> register copies of one row (thread = lane): S (s32 x 128), P (16-bit x 128 as 64 words), O
-        ld_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Int32), tStS)
-        thr_ld_s = ld_s.get_slice(tidx)
-        tSt = thr_ld_s.partition_S(tStS)
-        tSc = thr_ld_s.partition_D(thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2])))
-        tStP = cute.make_tensor(tmem_ptr + p_col,
-                                cute.composition(s_layout, cute.make_layout((BLOCK_Q, BLOCK_K // 2))))
-        st_p = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tStP)
-        tPt = st_p.get_slice(tidx).partition_D(tStP)
-        tPc = st_p.get_slice(tidx).partition_S(cute.make_identity_tensor((BLOCK_Q, BLOCK_K // 2)))
-        ld_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
-        thr_ld_o = ld_o.get_slice(tidx)
-        tOt = thr_ld_o.partition_S(tOtO)
-        tOc = thr_ld_o.partition_D(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
-        st_o = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32), tOtO)
-        tOt_st = st_o.get_slice(tidx).partition_D(tOtO)
-        tOc_st = st_o.get_slice(tidx).partition_S(thr_pv.partition_C(cute.make_identity_tensor(self.pv_tiler[:2])))
-        _check_order(tSc, BLOCK_K)  # register i of the S row = key column i (the P packing below relies on it)
-        _check_order(tPc, BLOCK_K // 2)  # P word j goes to TMEM column j (= keys 2j, 2j+1)
-        _check_same_cells(tOc, tOc_st, "O rescale")  # O load and store enumerate the same cells in the same order
+        trow = TmemRow.make(tStS, tOtO, tmem_ptr, p_col, thr_qk, thr_pv, self.qk_tiler, self.pv_tiler, tidx)
+        tSc = trow.tSc
 
         if n_blocks > 0:
             cute.arch.mbarrier_wait(q_full, 0)
@@ -307,14 +257,10 @@ class QKInt8PrefillSm100:
                     cute.gemm(qk_mma, tStS, tCrQ[(None, None, kb, 0)], tCrK[(None, None, kb, stage)], tStS)
                 with cute.arch.elect_one():
                     tcgen05.commit(s_done)
-            cute.arch.mbarrier_wait(s_done, it % 2)
-            _tcgen05_fence("after_thread_sync")
+            wait_mma(s_done, it % 2)
 
             # ---- online softmax, thread = row --------------------------------------------------------------
-            rSi = cute.make_rmem_tensor(tSc.shape, Int32)
-            cute.copy(ld_s, tSt, rSi)
-            # tcgen05.ld is asynchronous: its registers are defined only after tcgen05.wait::ld
-            cute.arch.fence_view_async_tmem_load()
+            rSi = trow.load_s(Int32)
             # fp32(fp32(q_scale * softmax_scale * log2 e) * k_scale): the tile's log2-domain scale
             scale = qs_log2 * mKS[ks_base + it]
             col0 = it * BLOCK_K
@@ -322,79 +268,41 @@ class QKInt8PrefillSm100:
             mx = Float32(-math.inf)
             for i in cutlass.range_constexpr(cute.size(rS)):
                 # int32 -> fp32 is exact (|S| < 2^22); masked keys are selected to -inf after the multiply
-                x = _sel(col0 + tSc[i][1] < key_end, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
+                x = sel(col0 + tSc[i][1] < key_end, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
                 rS[i] = x
-                mx = _fmax(mx, x)
-            m_new = _fmax(m_run, mx)
-            m_use = _sel(m_new == Float32(-math.inf), Float32(0.0), m_new, Float32)  # no inf - inf
-            corr = _ex2(m_run - m_use)
-            m_run = m_new
-            psum = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(rS)):
-                p = _ex2(rS[i] - m_use)
-                psum = psum + p  # the row sum adds the unrounded fp32 p
-                rS[i] = p
+                mx = fmax(mx, x)
+            m_run, corr, psum = softmax_exp2(rS, mx, m_run)
             l_run = l_run * corr + psum
-            # P rounded to V's type, two per 32-bit TMEM column (column j = keys 2j, 2j+1)
-            rPw = cute.make_rmem_tensor(tPc.shape, Float32)
-            for j in cutlass.range_constexpr(cute.size(rPw)):
-                rPw[j] = _pack2(rS[2 * j], rS[2 * j + 1], cfg.v_dtype == "bf16")
-            cute.copy(st_p, rPw, tPt)
+            trow.store_p(trow.pack_p(rS, cfg.v_dtype == "bf16"))
             # O *= corr when the running max moved (the previous P.V finished: o_done was waited on). tcgen05.ld/st
             # are warp-collective, so the test is per warp (vote.any): a lane whose max did not move has corr == 1
             # exactly and multiplies by 1, which changes nothing.
             if it > 0:
                 if cute.arch.vote_any_sync(corr < Float32(1.0)):
-                    rO = cute.make_rmem_tensor(tOc.shape, Float32)
-                    cute.copy(ld_o, tOt, rO)
-                    cute.arch.fence_view_async_tmem_load()
-                    rO2 = cute.make_rmem_tensor(tOc_st.shape, Float32)
-                    for i in cutlass.range_constexpr(cute.size(rO)):
-                        rO2[i] = rO[i] * corr
-                    cute.copy(st_o, rO2, tOt_st)
-            cute.arch.fence_view_async_tmem_store()  # tcgen05.st -> visible to the tcgen05.mma that reads P / O
-            _tcgen05_fence("before_thread_sync")
-            cute.arch.sync_threads()
-            _tcgen05_fence("after_thread_sync")
+                    trow.rescale_o(corr)
+            tmem_stores_to_mma()
             if warp == 0:
-                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):  # 128 keys / 16 k-blocks
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, it > 0 or kb != 0)
-                    cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, stage)], tOtO)
-                with cute.arch.elect_one():
-                    tcgen05.commit(o_done)
-            cute.arch.mbarrier_wait(o_done, it % 2)
-            _tcgen05_fence("after_thread_sync")
+                pv_mma = issue_pv_mma(pv_mma, tOtO, tOrP, tCrV, stage, it, o_done)
+            wait_mma(o_done, it % 2)
             # K and V of this stage are consumed: prefetch tile it + kv_stages into it
             if warp == 0:
                 if it + ST < n_blocks:
                     self._issue_kv(it + ST, stage, tmas, full, h_kv, b)
 
         # ---- epilogue: thread = row; O / l, LSE in natural log ------------------------------------------------
-        has = l_run > Float32(0.0)
-        inv = _sel(has, Float32(1.0) / l_run, Float32(0.0), Float32)
-        lse = _sel(has, (m_run + _lg2(l_run)) * Float32(_LN2), Float32(-math.inf), Float32)
-        rO = cute.make_rmem_tensor(tOc.shape, Float32)
-        if n_blocks > 0:
-            cute.copy(ld_o, tOt, rO)
-            cute.arch.fence_view_async_tmem_load()
-        else:
-            for i in cutlass.range_constexpr(cute.size(rO)):
-                rO[i] = Float32(0.0)
+        inv, lse = row_epilogue(m_run, l_run, Float32(1.0))
+        rO = trow.load_o(n_blocks)
         if row < seqlen_q:
             mOut = cute.make_tensor(cute.make_ptr(self.v_dtype, o_addr, gmem, assumed_align=2),
                                     cute.make_layout(batch * seqlen_q * num_heads * D))
             base = ((b * seqlen_q + row) * num_heads + h) * D
             for i in cutlass.range_constexpr(cute.size(rO)):
-                mOut[base + tOc[i][1]] = (rO[i] * inv).to(self.v_dtype)
+                mOut[base + trow.tOc[i][1]] = (rO[i] * inv).to(self.v_dtype)
             mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
                                   cute.make_layout(batch * num_heads * seqlen_q))
             mL[(b * num_heads + h) * seqlen_q + row] = lse
 
-        # ---- teardown -------------------------------------------------------------------------------------------
-        _tcgen05_fence("before_thread_sync")
-        cute.arch.sync_threads()
-        tmem.relinquish_alloc_permit()
-        tmem.free(tmem_ptr)
+        free_tmem(tmem, tmem_ptr)
 
     # ======================================================================================================
     def _issue_kv(self, tile, stage, tmas, full, h_kv, b):
@@ -405,20 +313,6 @@ class QKInt8PrefillSm100:
             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.kv_bytes)
         cute.copy(tma_k, tKg[(None, tile, 0, (h_kv, b))], tKs[(None, stage)], tma_bar_ptr=full + stage)
         cute.copy(tma_v, tVg[(None, 0, tile, (h_kv, b))], tVs[(None, stage)], tma_bar_ptr=full + stage)
-
-
-def _check_same_cells(a, b, what: str) -> None:
-    """Trace-time check: register i of two TMEM copy partitions of one thread holds the same column (the O
-    rescale loads with one partition and stores with another, element by element). The row is the thread's
-    lane in both (a runtime value, thread = lane), so only the columns are compared; they must be static."""
-    if cute.size(a) != cute.size(b):
-        raise AssertionError(f"{what}: partitions of {cute.size(a)} and {cute.size(b)} values")
-    for i in range(cute.size(a)):
-        ca, cb = a[i][1], b[i][1]
-        if not (isinstance(ca, int) and isinstance(cb, int)):
-            raise AssertionError(f"{what}: register {i}'s column is not known at trace time")
-        if ca != cb:
-            raise AssertionError(f"{what}: register {i} holds column {ca} in one partition and {cb} in the other")
 
 
 def prefill_sm100_compile_args() -> list:
