@@ -83,14 +83,10 @@ def test_warmup_lists_the_runtime_prefill_keys():
 
 @pytest.mark.compile
 def test_warmup_cli_compiles_prefill_then_reports_cached(tmp_path):
-    from tests.interface.test_warmup import run_cli
+    from tests.interface.test_warmup import check_compiles_then_cached
 
     args = ["--arch", "sm_90a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
-    first = run_cli(*args, cache_dir=tmp_path)
-    assert first.returncode == 0 and "16 variants, 0 failed" in first.stdout, first.stdout + first.stderr
-    second = run_cli(*args, cache_dir=tmp_path)
-    rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_90a")]
-    assert second.returncode == 0 and len(rows) == 16 and all(" cached " in ln for ln in rows)
+    check_compiles_then_cached(args, "sm_90a", 16, tmp_path)
 
 
 def test_varlen_rejects_fp8_pv():

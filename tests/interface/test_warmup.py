@@ -17,6 +17,16 @@ def run_cli(*args, cache_dir):
                           capture_output=True, text=True, timeout=600)
 
 
+def check_compiles_then_cached(args, arch: str, n: int, cache_dir) -> None:
+    """The warmup CLI with ``args`` on an empty cache compiles ``n`` variants with no failure; run again, it lists
+    the same ``n`` rows of ``arch``, all cached."""
+    first = run_cli(*args, cache_dir=cache_dir)
+    assert first.returncode == 0 and f"{n} variants, 0 failed" in first.stdout, first.stdout + first.stderr
+    second = run_cli(*args, cache_dir=cache_dir)
+    rows = [ln for ln in second.stdout.splitlines() if ln.startswith(arch)]
+    assert second.returncode == 0 and len(rows) == n and all(" cached " in ln for ln in rows)
+
+
 def test_cli_compiles_on_cpu_then_reports_cached(tmp_path):
     args = ["--arch", "sm_90a,sm_100a", "--kernels", "fp4_dequant,fp4_quantize", "--kv-formats", "nvfp4,mxfp4",
             "--head-dims", "64,128", "--jobs", "2"]

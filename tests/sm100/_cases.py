@@ -1,11 +1,31 @@
-"""Shared builders for the SM100 CPU tests: a random paged cache (shuffled blocks) over given K/V."""
+"""Shared builders for the SM100 CPU tests: a random paged cache (shuffled blocks) over given K/V, and a timed
+sm_100a compile."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import torch
 
+from qattn.cute_kernels.compile_utils import compile_for_arch
 from qattn.layouts.paged import PagedKVCache
 from qattn.reference.kv_ops import write_kv_reference
+
+
+def compile_sm100_timed(kernel: str, case, fn, args) -> str:
+    """``compile_for_arch(fn, *args, arch="sm_100a")``'s PTX; the compile time is printed and, when
+    ``$QATTN_COMPILE_TIMES`` names a file, appended to it as a JSON line {kernel, case, seconds}."""
+    t0 = time.perf_counter()
+    _, ptx = compile_for_arch(fn, *args, arch="sm_100a")
+    dt = time.perf_counter() - t0
+    print(f"compile {kernel} {case}: {dt:.2f} s")
+    path = os.environ.get("QATTN_COMPILE_TIMES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kernel": kernel, "case": list(case), "seconds": round(dt, 2)}) + "\n")
+    return ptx
 
 
 def make_case(fmt: str, *, B=2, H=2, G=4, Sq=1, D=128, page=16, lens=(300, 77), outliers=False, seed=0):

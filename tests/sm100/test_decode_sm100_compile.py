@@ -4,16 +4,13 @@ TMEM allocation, the SMEM->TMEM scale copies and TMA loads. Compile times are re
 
 from __future__ import annotations
 
-import json
-import os
-import time
-
 import pytest
 
-from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
+from qattn.cute_kernels.compile_utils import ptx_count
 from qattn.cute_kernels.sm100.decode import DecodeSm100, decode_sm100_compile_args
 from qattn.cute_kernels.sm100.decode_config import DecodeConfigSm100
 from qattn.layouts.formats import kv_format
+from tests.sm100._cases import compile_sm100_timed
 
 # (format, head_dim, page, group, causal, split, q_terms) -> expected MMA kind
 CASES = [
@@ -29,14 +26,7 @@ CASES = [
 def test_decode_sm100_compiles(case):
     fmt, D, page, group, causal, split, qt, kind = case
     cfg = DecodeConfigSm100(kv_format(fmt), kv_format(fmt), D, "bf16", group, page, causal, split, q_terms=qt)
-    t0 = time.perf_counter()
-    _, ptx = compile_for_arch(DecodeSm100(cfg), *decode_sm100_compile_args(), arch="sm_100a")
-    dt = time.perf_counter() - t0
-    print(f"compile {case[:7]}: {dt:.2f} s")
-    path = os.environ.get("QATTN_COMPILE_TIMES")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"kernel": "sm100_decode", "case": list(case[:7]), "seconds": round(dt, 2)}) + "\n")
+    ptx = compile_sm100_timed("sm100_decode", case[:7], DecodeSm100(cfg), decode_sm100_compile_args())
     n_qk = ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\." + kind)
     assert n_qk >= qt * (D // 64), f"block-scaled QK MMA missing ({n_qk})"
     assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::f16") > 0  # P.V

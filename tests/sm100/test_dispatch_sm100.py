@@ -1,5 +1,5 @@
-"""CPU test of the decode dispatch: compute capability 10.x -> SM100 kernel, 9.0 -> SM90, others a clear error
-(the capability is mocked; nothing launches)."""
+"""CPU test of the decode and prefill arch dispatch: compute capability 10.x -> SM100 kernel, 9.0 -> SM90, others
+a clear error (the capability is mocked; nothing launches); the SM100 decode config limits."""
 
 from __future__ import annotations
 
@@ -7,21 +7,27 @@ import pytest
 import torch
 
 from qattn.interface import decode as dec
+from qattn.interface import prefill as pf
 from qattn.interface.decode_sm100 import sm100_config_for
 from qattn.layouts.paged import PagedKVCache
 
 
+KERNELS = pytest.mark.parametrize("kernel", [dec, pf], ids=["decode", "prefill"])
+
+
+@KERNELS
 @pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_100a")])
-def test_arch_dispatch(monkeypatch, cap, arch):
+def test_arch_dispatch(monkeypatch, kernel, cap, arch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-    assert dec._check_arch(torch.device("cpu")) == arch
+    assert kernel._check_arch(torch.device("cpu")) == arch
 
 
+@KERNELS
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (12, 0), (9, 1)])
-def test_other_arch_is_a_clear_error(monkeypatch, cap):
+def test_other_arch_is_a_clear_error(monkeypatch, kernel, cap):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     with pytest.raises(ValueError, match="SM90 .* and SM100"):
-        dec._check_arch(torch.device("cpu"))
+        kernel._check_arch(torch.device("cpu"))
 
 
 def test_sm100_config_limits():

@@ -6,15 +6,13 @@ TMA loads, TMEM allocation and the TMEM loads/stores with their waits. Compile t
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import time
 
 import pytest
 
-from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
+from qattn.cute_kernels.compile_utils import ptx_count
 from qattn.cute_kernels.sm100.prefill_config import PrefillConfigSm100
 from qattn.cute_kernels.sm100.prefill_int8 import QKInt8PrefillSm100, prefill_sm100_compile_args
+from tests.sm100._cases import compile_sm100_timed
 
 CASES = list(itertools.product((64, 128), (False, True), ("per_warp", "per_block"), ("bf16", "fp16")))
 
@@ -23,14 +21,7 @@ CASES = list(itertools.product((64, 128), (False, True), ("per_warp", "per_block
 def test_prefill_sm100_compiles(case):
     D, causal, gran, vd = case
     cfg = PrefillConfigSm100(D, vd, causal, gran)
-    t0 = time.perf_counter()
-    _, ptx = compile_for_arch(QKInt8PrefillSm100(cfg), *prefill_sm100_compile_args(), arch="sm_100a")
-    dt = time.perf_counter() - t0
-    print(f"compile sm100 prefill {case}: {dt:.2f} s")
-    path = os.environ.get("QATTN_COMPILE_TIMES")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"kernel": "sm100_prefill_int8", "case": list(case), "seconds": round(dt, 2)}) + "\n")
+    ptx = compile_sm100_timed("sm100_prefill_int8", case, QKInt8PrefillSm100(cfg), prefill_sm100_compile_args())
     # Q K^T: head_dim / 32 int8 MMAs per tile (K = 32 bytes per instruction)
     assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::i8") == D // 32
     # P.V: 128 keys / 16 per 16-bit MMA; the element type is in the instruction descriptor, not the mnemonic

@@ -30,12 +30,8 @@ def test_warmed_keys_are_the_launcher_keys():
 
 @pytest.mark.compile
 def test_warmup_cli_compiles_sm100_decode_on_the_cpu(tmp_path):
-    from tests.interface.test_warmup import run_cli
+    from tests.interface.test_warmup import check_compiles_then_cached
 
     args = ["--arch", "sm_100a", "--kernels", "decode,combine", "--kv-formats", "nvfp4", "--head-dims", "64",
             "--gqa", "4", "--page-sizes", "16", "--jobs", "2"]
-    first = run_cli(*args, cache_dir=tmp_path)
-    assert first.returncode == 0 and "3 variants, 0 failed" in first.stdout, first.stdout + first.stderr
-    second = run_cli(*args, cache_dir=tmp_path)
-    rows = [ln for ln in second.stdout.splitlines() if ln.startswith("sm_100a")]
-    assert second.returncode == 0 and len(rows) == 3 and all(" cached " in ln for ln in rows)
+    check_compiles_then_cached(args, "sm_100a", 3, tmp_path)
