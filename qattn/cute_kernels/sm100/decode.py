@@ -58,8 +58,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from qattn.cute_kernels.sm100.decode_config import ROWS, TILE_N, DecodeConfigSm100
 from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
                                                issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
-                                               softmax_exp2, tcgen05_fence, tmem_s_o_p, tmem_stores_to_mma,
-                                               wait_mma)
+                                               softmax_exp2, store_row, tcgen05_fence, tmem_s_o_p,
+                                               tmem_stores_to_mma, wait_mma)
 
 __all__ = ["DecodeSm100", "decode_sm100_compile_args", "decode_sm100_cache_key"]
 
@@ -402,14 +402,7 @@ class DecodeSm100:
                                        cute.make_layout(num_splits * batch * Hq * seqlen_q))
                 mLp[((split * batch + b) * Hq + hq) * seqlen_q + i_q] = lse
             else:
-                mOut = cute.make_tensor(cute.make_ptr(self.out_dtype, o_addr, gmem, assumed_align=2),
-                                        cute.make_layout(batch * seqlen_q * Hq * D))
-                base = ((b * seqlen_q + i_q) * Hq + hq) * D
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    mOut[base + trow.tOc[i][1]] = (rO[i] * inv).to(self.out_dtype)
-                mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
-                                      cute.make_layout(batch * Hq * seqlen_q))
-                mL[(b * Hq + hq) * seqlen_q + i_q] = lse
+                store_row(o_addr, lse_addr, self.out_dtype, rO, trow.tOc, inv, lse, batch, seqlen_q, Hq, D, b, i_q, hq)
 
         free_tmem(tmem, tmem_ptr)
 

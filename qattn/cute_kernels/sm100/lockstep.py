@@ -312,3 +312,17 @@ def row_epilogue(m_run, l_run, o_scale):
     inv = sel(has, o_scale / l_run, Float32(0.0), Float32)
     lse = sel(has, (m_run + lg2(l_run)) * Float32(LN2), Float32(-math.inf), Float32)
     return inv, lse
+
+
+def store_row(o_addr, lse_addr, dtype, rO, tOc, inv, lse, batch, seqlen_q, heads, head_dim, b, i, h):
+    """Row (batch b, query i, head h) of the output: O = rO * inv in ``dtype`` into (B, Sq, H, D) (column
+    ``tOc[k][1]`` from register k) and the LSE into (B, H, Sq) fp32, both contiguous."""
+    gmem = cute.AddressSpace.gmem
+    mOut = cute.make_tensor(cute.make_ptr(dtype, o_addr, gmem, assumed_align=2),
+                            cute.make_layout(batch * seqlen_q * heads * head_dim))
+    base = ((b * seqlen_q + i) * heads + h) * head_dim
+    for k in range(cute.size(rO)):
+        mOut[base + tOc[k][1]] = (rO[k] * inv).to(dtype)
+    mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
+                          cute.make_layout(batch * heads * seqlen_q))
+    mL[(b * heads + h) * seqlen_q + i] = lse

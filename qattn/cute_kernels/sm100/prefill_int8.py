@@ -53,7 +53,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
                                                issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
-                                               softmax_exp2, tmem_s_o_p, tmem_stores_to_mma, wait_mma)
+                                               softmax_exp2, store_row, tmem_s_o_p, tmem_stores_to_mma, wait_mma)
 from qattn.cute_kernels.sm100.prefill_config import BLOCK_K, BLOCK_Q, WARP_Q, PrefillConfigSm100
 
 __all__ = ["QKInt8PrefillSm100", "prefill_sm100_compile_args", "prefill_sm100_cache_key"]
@@ -293,14 +293,7 @@ class QKInt8PrefillSm100:
         inv, lse = row_epilogue(m_run, l_run, Float32(1.0))
         rO = trow.load_o(n_blocks)
         if row < seqlen_q:
-            mOut = cute.make_tensor(cute.make_ptr(self.v_dtype, o_addr, gmem, assumed_align=2),
-                                    cute.make_layout(batch * seqlen_q * num_heads * D))
-            base = ((b * seqlen_q + row) * num_heads + h) * D
-            for i in cutlass.range_constexpr(cute.size(rO)):
-                mOut[base + trow.tOc[i][1]] = (rO[i] * inv).to(self.v_dtype)
-            mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
-                                  cute.make_layout(batch * num_heads * seqlen_q))
-            mL[(b * num_heads + h) * seqlen_q + row] = lse
+            store_row(o_addr, lse_addr, self.v_dtype, rO, trow.tOc, inv, lse, batch, seqlen_q, num_heads, D, b, row, h)
 
         free_tmem(tmem, tmem_ptr)
 
