@@ -452,3 +452,20 @@ def test_rcp_rn_and_pack_match_reference():
     want = ref.pack_e2m1(torch.from_numpy(codes.astype(np.uint8)))  # (n, 4) bytes
     assert np.array_equal(w.view(np.uint8).reshape(-1, 4), want.numpy())
 
+
+
+def test_e2m1_even_odd_decode_is_exact_times_2_pow_minus_6():
+    """The table-free decode (decode kernel's K operand): even elements in the first word, odd in the second,
+    every E2M1 value (both signs, -0 included) times 2^-6 exactly."""
+    words = _words_covering_all_codes()
+    ev, od = helper("e2m1x8_to_e4m3x8_even_odd", words)
+    halves = []
+    for w in (ev, od):
+        h0, h1 = helper("e4m3x4_to_f16x4", w)
+        for h in (h0, h1):
+            halves += helper("f16x2_to_f32x2", h)
+    got = np.stack(halves, axis=1)  # (n, 8): e0, e2, e4, e6, e1, e3, e5, e7
+    payload = torch.from_numpy(words.view(np.uint8).reshape(-1, 4).copy())
+    want = ref.e2m1_decode(ref.unpack_e2m1(payload))[:, [0, 2, 4, 6, 1, 3, 5, 7]] * 2.0**-6
+    _same_f32(got.reshape(-1), want.reshape(-1))
+    assert np.array_equal(np.signbit(_bits_f32(got.reshape(-1))), np.signbit(want.reshape(-1).numpy()))

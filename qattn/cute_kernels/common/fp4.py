@@ -38,6 +38,7 @@ __all__ = [
     "e2m1x8_to_e4m3x8",
     "e4m3x4_to_f16x4",
     "e2m1x8_to_f16x8",
+    "e2m1x8_to_f16x8_scaled_even_odd",
     "e4m3_to_f16x2",
     "f16x2_mul",
     "f16x2_to_f32x2",
@@ -75,6 +76,23 @@ PTX_E2M1X8_TO_E4M3X8 = (
     "prmt.b32 g1, w4, $2, 0xFBEA;\n\t"
     "lop3.b32 $0, m0, g0, 0x80808080, 0xF8;\n\t"  # m | (g & 0x80808080)
     "lop3.b32 $1, m1, g1, 0x80808080, 0xF8;\n\t"
+    "}"
+)
+
+# $0, $1 <- $2: 8 E2M1 -> 8 E4M3 bytes holding the values times 2^-6, even elements in $0, odd in $1
+# ($0 = [e0, e2, e4, e6], $1 = [e1, e3, e5, e7]). The E4M3 byte (sign << 7) | (magnitude << 2) is exactly
+# 2^-6 times the E2M1 value, subnormals included: the 2 exponent bits land in E4M3's exponent field (bias 7
+# instead of E2M1's 1) and the mantissa bit in its top mantissa bit. No table, 7 integer instructions.
+PTX_E2M1X8_TO_E4M3X8_EVEN_ODD = (
+    "{\n\t"
+    ".reg .b32 a, b, c;\n\t"
+    "shl.b32 a, $2, 2;\n\t"  # low nibbles: magnitude bits 0..2 -> 2..4 of each byte
+    "and.b32 a, a, 0x1C1C1C1C;\n\t"
+    "shl.b32 b, $2, 4;\n\t"  # low nibbles: sign bit 3 -> 7
+    "lop3.b32 $0, a, b, 0x80808080, 0xF8;\n\t"  # a | (b & 0x80808080)
+    "shr.b32 c, $2, 2;\n\t"  # high nibbles: magnitude bits 4..6 -> 2..4; the sign is already bit 7
+    "and.b32 c, c, 0x1C1C1C1C;\n\t"
+    "lop3.b32 $1, c, $2, 0x80808080, 0xF8;\n\t"
     "}"
 )
 
@@ -214,6 +232,7 @@ PTX_PACK_E2M1X8 = (
 # helper name -> (PTX body, number of outputs, input kinds "u" (u32) / "f" (f32))
 PTX_HELPERS = {
     "e2m1x8_to_e4m3x8": (PTX_E2M1X8_TO_E4M3X8, 2, "u"),
+    "e2m1x8_to_e4m3x8_even_odd": (PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, 2, "u"),
     "e4m3x4_to_f16x4": (PTX_E4M3X4_TO_F16X4, 2, "u"),
     "e4m3_to_f16x2[0]": (_ptx_e4m3_bcast(0), 1, "u"),
     "e4m3_to_f16x2[1]": (_ptx_e4m3_bcast(1), 1, "u"),
@@ -298,6 +317,21 @@ def e2m1x8_to_f16x8(
     lo, hi = e2m1x8_to_e4m3x8(word, loc=loc, ip=ip)
     h0, h1 = e4m3x4_to_f16x4(lo, loc=loc, ip=ip)
     h2, h3 = e4m3x4_to_f16x4(hi, loc=loc, ip=ip)
+    return h0, h1, h2, h3
+
+
+@dsl_user_op
+def e2m1x8_to_f16x8_scaled_even_odd(
+    word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
+) -> Tuple[Uint32, Uint32, Uint32, Uint32]:
+    """8 packed E2M1 values times 2^-6 -> 4 f16x2 words ((e0,e2), (e4,e6), (e1,e3), (e5,e7)). Exact (the
+    smallest nonzero value, 2^-7, is a normal f16); the caller folds 2^6 into a scale it multiplies anyway.
+    7 integer instructions + 4 cvt.rn.f16x2.e4m3x2 (e2m1x8_to_f16x8: 9 + 4), for operands whose element order
+    is free (an MMA reduction dimension permuted the same way in the other operand)."""
+    res = _asm(_pair(T.i32()), [_u32(word, loc, ip)], PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, "=r,=r,r")
+    ev, od = _two(res, T.i32(), Uint32, loc, ip)
+    h0, h1 = e4m3x4_to_f16x4(ev, loc=loc, ip=ip)
+    h2, h3 = e4m3x4_to_f16x4(od, loc=loc, ip=ip)
     return h0, h1, h2, h3
 
 

@@ -208,6 +208,11 @@ class FmtInfo:
         self.has_global = fmt.has_global_scale
         self.bf16 = self.kind == "bf16"  # MMA operand type: bf16 for bf16 caches, f16 for every quantized one
         self.row_words = self.rb // 4
+        # as the K operand, nvfp4 rows take the table-free decode (fp4.e2m1x8_to_f16x8_scaled_even_odd: 7 instead
+        # of 9 integer instructions per 8 values; this loop is bound by the integer pipe), whose element order
+        # (even dims, then odd, per 8) Q is loaded in; its 2^-6 goes into the block scale (x 64, exact in f16).
+        # MX scales stay on the table decode: x 64 would shrink the exact f16 range of a 2^e scale.
+        self.k_even_odd = self.kind == "fp4" and self.scale == "e4m3"
 
 
 # ==================================================================================================
@@ -423,7 +428,7 @@ class DecodeSm90:
             lims.append(lim)
             lims_page.append(_sel(lim < page_len - 1, lim, page_len - 1, Int32))  # ring positions: not from pages
             lims_sink.append(_sel(lim < sink_len - 1, lim, sink_len - 1, Int32))  # the sink tile: [0, sink_len)
-        self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16)
+        self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16, self.k.k_even_odd)
 
         # ---- running softmax state ------------------------------------------------------------------------
         nn = D // 8
@@ -471,8 +476,8 @@ class DecodeSm90:
                                            (first_pt + tile) * TN, page_len, lims_page, g, q4, tg, rQ, rO, rM, rL,
                                            sl2, None, N if self.sink else None)
                     else:
-                        if cutlass.const_expr(self.r.bf16 != self.k.bf16):
-                            if tile == first_ring:  # Q in the ring tiles' MMA type from here on
+                        if cutlass.const_expr(self.r.bf16 != self.k.bf16 or self.k.k_even_odd):
+                            if tile == first_ring:  # Q in the ring tiles' MMA type and dim order from here on
                                 self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4,
                                              self.r.bf16)
                         o_scale = None
@@ -572,19 +577,27 @@ class DecodeSm90:
             lo, hi = fp4.f16x2_to_f32x2(w)
         return pack_f32x2(lo, hi, to_bf16)
 
-    def _load_q(self, rQ, mQ, b, h, r_lo, rows, seqlen_q, Hq, q4, to_bf16: bool):
+    def _load_q(self, rQ, mQ, b, h, r_lo, rows, seqlen_q, Hq, q4, to_bf16: bool, even_odd: bool = False):
         """Q fragments (A operand of QK^T) of rows ``r_lo`` and ``r_lo + 8``, in the dim permutation the K
-        fragments use; rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of
-        bounds)."""
+        fragments use (``even_odd``: the order of :meth:`_row_slice`'s ``k_operand`` decode of nvfp4 rows);
+        rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of bounds)."""
         D, G = self.D, self.cfg.group
         for hr in range(2):
             r = r_lo + 8 * hr
             ok = r < rows
             r_use = _sel(ok, r, 0, Int32)
             base = ((b * seqlen_q + r_use // G) * Hq + h * G + r_use % G) * (D // 2) + q4 * (D // 8)
-            for j in range(D // 16):
-                rQ[4 * j + hr] = _sel(ok, self._q_word(mQ[base + 2 * j], to_bf16), Uint32(0), Uint32)
-                rQ[4 * j + 2 + hr] = _sel(ok, self._q_word(mQ[base + 2 * j + 1], to_bf16), Uint32(0), Uint32)
+            if cutlass.const_expr(even_odd):
+                # k-steps 2p and 2p + 1 take dims (8p, 8p+2 | 8p+4, 8p+6) and (8p+1, 8p+3 | 8p+5, 8p+7)
+                for p in range(D // 32):
+                    w = [self._q_word(mQ[base + 4 * p + i], to_bf16) for i in range(4)]
+                    for j, sel in ((2 * p, 0x5410), (2 * p + 1, 0x7632)):
+                        rQ[4 * j + hr] = _sel(ok, prmt(w[0], w[1], sel), Uint32(0), Uint32)
+                        rQ[4 * j + 2 + hr] = _sel(ok, prmt(w[2], w[3], sel), Uint32(0), Uint32)
+            else:
+                for j in range(D // 16):
+                    rQ[4 * j + hr] = _sel(ok, self._q_word(mQ[base + 2 * j], to_bf16), Uint32(0), Uint32)
+                    rQ[4 * j + 2 + hr] = _sel(ok, self._q_word(mQ[base + 2 * j + 1], to_bf16), Uint32(0), Uint32)
 
     def _load_tile(self, bufs, tile, stage, kv_len, b, h, tidx, mBT, max_blocks, num_blocks, num_kv_heads,
                    kd_addr, ks_addr, vd_addr, vs_addr):
@@ -673,12 +686,15 @@ class DecodeSm90:
                 cute.copy(atom, src, bufs[name][None, v, stage])
 
     # ---- dequantized row slices ------------------------------------------------------------------------
-    def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn, keep=None):
+    def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn, keep=None,
+                   k_operand: bool = False):
         """``ndims`` values of token ``tok`` (tile-local) starting at dim ``dim0_dyn`` (dynamic; multiple of 8
         for FP4, of 4 for 8-bit, of 2 for bf16), as ndims/2 words of 16-bit pairs in the MMA operand type
         (f16 for quantized formats, with FP4 block scales applied; bf16 for bf16). Per-row fp32 scales are not
         applied here. ``keep`` (FP4 only, or None): False zeroes the values through their block scale (E2M1
-        codes are finite, so a zero scale gives exact zeros whatever garbage the scale byte held)."""
+        codes are finite, so a zero scale gives exact zeros whatever garbage the scale byte held).
+        ``k_operand`` with ``f.k_even_odd``: each 8 dims come as (d0,d2), (d4,d6), (d1,d3), (d5,d7), the order
+        :meth:`_load_q` loads Q in for such a cache (same values, cheaper decode)."""
         words = []
         w = views[pre + "d_w"]
         if cutlass.const_expr(f.kind == "bf16"):
@@ -708,8 +724,13 @@ class DecodeSm90:
                     s2 = f32_to_f16x2_bcast(fp4.ue8m0_to_f32(sbyte))
                 if cutlass.const_expr(keep is not None):
                     s2 = _sel(keep, s2, Uint32(0), Uint32)
-                for hh in fp4.e2m1x8_to_f16x8(x):
-                    words.append(fp4.f16x2_mul(hh, s2))
+                if cutlass.const_expr(k_operand and f.k_even_odd):
+                    s2 = fp4.f16x2_mul(s2, Uint32(0x54005400))  # x 64 (<= 28672), undoes the decode's 2^-6
+                    for hh in fp4.e2m1x8_to_f16x8_scaled_even_odd(x):
+                        words.append(fp4.f16x2_mul(hh, s2))
+                else:
+                    for hh in fp4.e2m1x8_to_f16x8(x):
+                        words.append(fp4.f16x2_mul(hh, s2))
         return words
 
     def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
@@ -731,7 +752,7 @@ class DecodeSm90:
             Sc = []
             for nt in range(2):
                 tok = t_base + 16 * c + 8 * nt + g
-                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4))
+                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4), k_operand=True)
                 acc = [Float32(0.0)] * 4
                 for j in range(nk):
                     acc = mma_16816([rQ[4 * j], rQ[4 * j + 1], rQ[4 * j + 2], rQ[4 * j + 3]],
