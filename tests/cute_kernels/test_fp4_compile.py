@@ -352,15 +352,19 @@ def test_interpreter_prmt_semantics():
     assert _prmt(a, b, np.array([0x8C8C], np.uint32))[0] == 0x00FF00FF
 
 
-def test_e2m1_words_decode_exactly():
-    words = _words_covering_all_codes()
-    e4lo, e4hi = helper("e2m1x8_to_e4m3x8", words)
+def _e4m3_words_to_f32(words_pair) -> np.ndarray:
+    """Two words of 4 E4M3 bytes each -> (n, 8) fp32 bits, in byte order, through the f16 conversions."""
     halves = []
-    for w in (e4lo, e4hi):
+    for w in words_pair:
         h0, h1 = helper("e4m3x4_to_f16x4", w)
         for h in (h0, h1):
             halves += helper("f16x2_to_f32x2", h)
-    got = np.stack(halves, axis=1)  # (n, 8) fp32 bits, element order
+    return np.stack(halves, axis=1)
+
+
+def test_e2m1_words_decode_exactly():
+    words = _words_covering_all_codes()
+    got = _e4m3_words_to_f32(helper("e2m1x8_to_e4m3x8", words))  # element order
     payload = torch.from_numpy(words.view(np.uint8).reshape(-1, 4).copy())
     want = ref.e2m1_decode(ref.unpack_e2m1(payload))
     _same_f32(got.reshape(-1), want.reshape(-1))
@@ -458,13 +462,7 @@ def test_e2m1_even_odd_decode_is_exact_times_2_pow_minus_6():
     """The table-free decode (decode kernel's K operand): even elements in the first word, odd in the second,
     every E2M1 value (both signs, -0 included) times 2^-6 exactly."""
     words = _words_covering_all_codes()
-    ev, od = helper("e2m1x8_to_e4m3x8_even_odd", words)
-    halves = []
-    for w in (ev, od):
-        h0, h1 = helper("e4m3x4_to_f16x4", w)
-        for h in (h0, h1):
-            halves += helper("f16x2_to_f32x2", h)
-    got = np.stack(halves, axis=1)  # (n, 8): e0, e2, e4, e6, e1, e3, e5, e7
+    got = _e4m3_words_to_f32(helper("e2m1x8_to_e4m3x8_even_odd", words))  # e0, e2, e4, e6, e1, e3, e5, e7
     payload = torch.from_numpy(words.view(np.uint8).reshape(-1, 4).copy())
     want = ref.e2m1_decode(ref.unpack_e2m1(payload))[:, [0, 2, 4, 6, 1, 3, 5, 7]] * 2.0**-6
     _same_f32(got.reshape(-1), want.reshape(-1))
