@@ -193,6 +193,14 @@ def _fmax(a, b):
 # ==================================================================================================
 # Format description (compile time)
 # ==================================================================================================
+def even_odd_dim(j: int) -> int:
+    """Dim (within a lane's slice) of P.V output column ``j`` when V words come in the even/odd order of
+    ``fp4.e2m1x8_to_f16x8_scaled_even_odd``: word j // 2 of each 8 dims holds (d0,d2), (d4,d6), (d1,d3), (d5,d7),
+    and column j is its low (j even) or high (j odd) half."""
+    i, hi = j // 2, j % 2
+    return 8 * (i // 4) + ((2, 6, 3, 7) if hi else (0, 4, 1, 5))[i % 4]
+
+
 class FmtInfo:
     """What the kernel needs to know about one of the K / V formats."""
 
@@ -245,6 +253,10 @@ class DecodeSm90:
         self.ring = cfg.ring_window > 0
         self.sink = cfg.sink_tokens > 0
         self.unquantized = self.ring or self.sink  # any bf16 / f16 tiles (ring or sink) after the page tiles
+        # nvfp4 V rows in the even/odd order of the table-free decode: P.V output column j then holds dim
+        # even_odd_dim(j) of the lane's slice. Not with ring / sink tiles, whose 16-bit V rows accumulate into the
+        # same registers in natural order.
+        self.v_even_odd = self.v.k_even_odd and not self.unquantized
         # ring and sink rows are plain 16-bit rows: the "bf16" code path, with the cache dtype's own MMA type
         self.r = FmtInfo(kv_format("bf16"), self.D)
         self.r.bf16 = cfg.ring_dtype == "bf16"
@@ -518,7 +530,7 @@ class DecodeSm90:
         for j in cutlass.range_constexpr(nn):
             for e in cutlass.range_constexpr(4):
                 row = warp * 16 + g + 8 * (e // 2)
-                dim = E2 * (2 * q4 + (e % 2)) + j
+                dim = E2 * (2 * q4 + (e % 2)) + (even_odd_dim(j) if self.v_even_odd else j)
                 sO[row * D + dim] = rO[4 * j + e]
         cute.arch.sync_threads()
 
@@ -579,7 +591,7 @@ class DecodeSm90:
 
     def _load_q(self, rQ, mQ, b, h, r_lo, rows, seqlen_q, Hq, q4, to_bf16: bool, even_odd: bool = False):
         """Q fragments (A operand of QK^T) of rows ``r_lo`` and ``r_lo + 8``, in the dim permutation the K
-        fragments use (``even_odd``: the order of :meth:`_row_slice`'s ``k_operand`` decode of nvfp4 rows);
+        fragments use (``even_odd``: the order of :meth:`_row_slice`'s ``even_odd`` decode of nvfp4 rows);
         rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of bounds)."""
         D, G = self.D, self.cfg.group
         for hr in range(2):
@@ -687,14 +699,15 @@ class DecodeSm90:
 
     # ---- dequantized row slices ------------------------------------------------------------------------
     def _row_slice(self, f: FmtInfo, views, pre: str, stage, tok, dim0: int, ndims, dim0_dyn, keep=None,
-                   k_operand: bool = False):
+                   even_odd: bool = False):
         """``ndims`` values of token ``tok`` (tile-local) starting at dim ``dim0_dyn`` (dynamic; multiple of 8
         for FP4, of 4 for 8-bit, of 2 for bf16), as ndims/2 words of 16-bit pairs in the MMA operand type
         (f16 for quantized formats, with FP4 block scales applied; bf16 for bf16). Per-row fp32 scales are not
         applied here. ``keep`` (FP4 only, or None): False zeroes the values through their block scale (E2M1
         codes are finite, so a zero scale gives exact zeros whatever garbage the scale byte held).
-        ``k_operand`` with ``f.k_even_odd``: each 8 dims come as (d0,d2), (d4,d6), (d1,d3), (d5,d7), the order
-        :meth:`_load_q` loads Q in for such a cache (same values, cheaper decode)."""
+        ``even_odd`` (with ``f.k_even_odd``): each 8 dims come as (d0,d2), (d4,d6), (d1,d3), (d5,d7), the order
+        :meth:`_load_q` loads Q in for the K operand and :func:`even_odd_dim` maps the P.V output columns back
+        (same values, cheaper decode)."""
         words = []
         w = views[pre + "d_w"]
         if cutlass.const_expr(f.kind == "bf16"):
@@ -724,7 +737,7 @@ class DecodeSm90:
                     s2 = f32_to_f16x2_bcast(fp4.ue8m0_to_f32(sbyte))
                 if cutlass.const_expr(keep is not None):
                     s2 = _sel(keep, s2, Uint32(0), Uint32)
-                if cutlass.const_expr(k_operand and f.k_even_odd):
+                if cutlass.const_expr(even_odd and f.k_even_odd):
                     s2 = fp4.f16x2_mul(s2, Uint32(0x54005400))  # x 64 (<= 28672), undoes the decode's 2^-6
                     for hh in fp4.e2m1x8_to_f16x8_scaled_even_odd(x):
                         words.append(fp4.f16x2_mul(hh, s2))
@@ -752,7 +765,7 @@ class DecodeSm90:
             Sc = []
             for nt in range(2):
                 tok = t_base + 16 * c + 8 * nt + g
-                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4), k_operand=True)
+                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4), even_odd=True)
                 acc = [Float32(0.0)] * 4
                 for j in range(nk):
                     acc = mma_16816([rQ[4 * j], rQ[4 * j + 1], rQ[4 * j + 2], rQ[4 * j + 3]],
@@ -823,7 +836,8 @@ class DecodeSm90:
                 if cutlass.const_expr(pos_lo is not None):
                     ok = ok & (pos0 + tok >= pos_lo)
                 if cutlass.const_expr(vf.kind == "fp4"):
-                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok))
+                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok,
+                                              even_odd=self.v_even_odd))
                 else:
                     ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
                     vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
