@@ -17,7 +17,7 @@ from ..layouts.paged import PagedKVCache
 from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast
-from .variants import cache_for
+from .variants import cache_for, kernel_arch
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -68,13 +68,7 @@ def combine_compile_args():
 
 
 def _check_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 10:  # --- SM100 dispatch hook (issue 6): Blackwell -> decode_sm100.py (never ran on hardware)
-        return "sm_100a"
-    if (major, minor) != (9, 0):
-        raise ValueError(f"q: device {device} is sm_{major}{minor}; the decode kernels are built for SM90 (H100/H200) "
-                         "and SM100 (B200/GB200) only (no fallback)")
-    return "sm_90a"
+    return kernel_arch(device, "decode")  # 10.x: the SM100 dispatch hook -> decode_sm100.py
 
 
 def _get(kind: str, key: tuple, build, args):

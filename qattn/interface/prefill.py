@@ -19,7 +19,7 @@ import torch
 
 from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
 from .fast_launch import fast
-from .variants import Variant, cache_for, register
+from .variants import Variant, cache_for, kernel_arch, register
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
 
@@ -35,13 +35,7 @@ def prefill_compile_args():
 
 
 def _check_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 10:  # SM100 (B200/GB200): prefill_sm100.py (never ran on hardware)
-        return "sm_100a"
-    if (major, minor) != (9, 0):
-        raise ValueError(f"q: device {device} is sm_{major}{minor}; the INT8-QK prefill kernels are built for SM90 "
-                         "(H100/H200) and SM100 (B200/GB200) only (no fallback)")
-    return "sm_90a"
+    return kernel_arch(device, "INT8-QK prefill")  # 10.x: prefill_sm100.py
 
 
 def _check_sm100_options(device: torch.device, **options) -> None:

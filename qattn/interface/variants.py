@@ -54,6 +54,20 @@ def cache_for(kind: str) -> CompileCache:
     return _CACHES[kind]
 
 
+def kernel_arch(device, kernels: str) -> str:
+    """The arch whose ``kernels`` (e.g. "decode") a call on ``device`` runs: compute capability 10.x ->
+    "sm_100a" (Blackwell kernels, never run on hardware here), 9.0 -> "sm_90a", anything else a clear error."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 10:
+        return "sm_100a"
+    if (major, minor) != (9, 0):
+        raise ValueError(f"q: device {device} is sm_{major}{minor}; the {kernels} kernels are built for SM90 "
+                         "(H100/H200) and SM100 (B200/GB200) only (no fallback)")
+    return "sm_90a"
+
+
 def supported_arch(device=None) -> str:
     """The arch name of a CUDA device, or a clear error when qattn has no kernels for it."""
     from ..cute_kernels.compile_utils import device_arch
