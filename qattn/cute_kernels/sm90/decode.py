@@ -216,11 +216,11 @@ class FmtInfo:
         self.has_global = fmt.has_global_scale
         self.bf16 = self.kind == "bf16"  # MMA operand type: bf16 for bf16 caches, f16 for every quantized one
         self.row_words = self.rb // 4
-        # as the K operand, nvfp4 rows take the table-free decode (fp4.e2m1x8_to_f16x8_scaled_even_odd: 7 instead
-        # of 9 integer instructions per 8 values; this loop is bound by the integer pipe), whose element order
-        # (even dims, then odd, per 8) Q is loaded in; its 2^-6 goes into the block scale (x 64, exact in f16).
-        # MX scales stay on the table decode: x 64 would shrink the exact f16 range of a 2^e scale.
-        self.k_even_odd = self.kind == "fp4" and self.scale == "e4m3"
+        # nvfp4 rows can take the table-free decode (fp4.e2m1x8_to_f16x8_scaled_even_odd: 7 instead of 9 integer
+        # instructions per 8 values; this loop is bound by the integer pipe), whose element order is even dims,
+        # then odd, per 8; its 2^-6 goes into the block scale (x 64, exact in f16). MX scales stay on the table
+        # decode: x 64 would shrink the exact f16 range of a 2^e scale.
+        self.even_odd = self.kind == "fp4" and self.scale == "e4m3"
 
 
 # ==================================================================================================
@@ -256,7 +256,7 @@ class DecodeSm90:
         # nvfp4 V rows in the even/odd order of the table-free decode: P.V output column j then holds dim
         # even_odd_dim(j) of the lane's slice. Not with ring / sink tiles, whose 16-bit V rows accumulate into the
         # same registers in natural order.
-        self.v_even_odd = self.v.k_even_odd and not self.unquantized
+        self.v_even_odd = self.v.even_odd and not self.unquantized
         # ring and sink rows are plain 16-bit rows: the "bf16" code path, with the cache dtype's own MMA type
         self.r = FmtInfo(kv_format("bf16"), self.D)
         self.r.bf16 = cfg.ring_dtype == "bf16"
@@ -440,7 +440,7 @@ class DecodeSm90:
             lims.append(lim)
             lims_page.append(_sel(lim < page_len - 1, lim, page_len - 1, Int32))  # ring positions: not from pages
             lims_sink.append(_sel(lim < sink_len - 1, lim, sink_len - 1, Int32))  # the sink tile: [0, sink_len)
-        self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16, self.k.k_even_odd)
+        self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16, self.k.even_odd)
 
         # ---- running softmax state ------------------------------------------------------------------------
         nn = D // 8
@@ -488,7 +488,7 @@ class DecodeSm90:
                                            (first_pt + tile) * TN, page_len, lims_page, g, q4, tg, rQ, rO, rM, rL,
                                            sl2, None, N if self.sink else None)
                     else:
-                        if cutlass.const_expr(self.r.bf16 != self.k.bf16 or self.k.k_even_odd):
+                        if cutlass.const_expr(self.r.bf16 != self.k.bf16 or self.k.even_odd):
                             if tile == first_ring:  # Q in the ring tiles' MMA type and dim order from here on
                                 self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4,
                                              self.r.bf16)
@@ -705,9 +705,9 @@ class DecodeSm90:
         (f16 for quantized formats, with FP4 block scales applied; bf16 for bf16). Per-row fp32 scales are not
         applied here. ``keep`` (FP4 only, or None): False zeroes the values through their block scale (E2M1
         codes are finite, so a zero scale gives exact zeros whatever garbage the scale byte held).
-        ``even_odd`` (with ``f.k_even_odd``): each 8 dims come as (d0,d2), (d4,d6), (d1,d3), (d5,d7), the order
-        :meth:`_load_q` loads Q in for the K operand and :func:`even_odd_dim` maps the P.V output columns back
-        (same values, cheaper decode)."""
+        ``even_odd`` (only for ``f.even_odd`` formats): each 8 dims come as (d0,d2), (d4,d6), (d1,d3), (d5,d7),
+        the order :meth:`_load_q` loads Q in for the K operand and :func:`even_odd_dim` maps the P.V output
+        columns back (same values, cheaper decode)."""
         words = []
         w = views[pre + "d_w"]
         if cutlass.const_expr(f.kind == "bf16"):
@@ -737,7 +737,7 @@ class DecodeSm90:
                     s2 = f32_to_f16x2_bcast(fp4.ue8m0_to_f32(sbyte))
                 if cutlass.const_expr(keep is not None):
                     s2 = _sel(keep, s2, Uint32(0), Uint32)
-                if cutlass.const_expr(even_odd and f.k_even_odd):
+                if cutlass.const_expr(even_odd):
                     s2 = fp4.f16x2_mul(s2, Uint32(0x54005400))  # x 64 (<= 28672), undoes the decode's 2^-6
                     for hh in fp4.e2m1x8_to_f16x8_scaled_even_odd(x):
                         words.append(fp4.f16x2_mul(hh, s2))
@@ -765,7 +765,7 @@ class DecodeSm90:
             Sc = []
             for nt in range(2):
                 tok = t_base + 16 * c + 8 * nt + g
-                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4), even_odd=True)
+                kw = self._row_slice(kf, views, kpre, stage, tok, 0, D // 4, q4 * (D // 4), even_odd=kf.even_odd)
                 acc = [Float32(0.0)] * 4
                 for j in range(nk):
                     acc = mma_16816([rQ[4 * j], rQ[4 * j + 1], rQ[4 * j + 2], rQ[4 * j + 3]],
