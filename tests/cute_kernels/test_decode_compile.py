@@ -18,8 +18,8 @@ import torch
 from qattn.cute_kernels.combine import CombineSplits
 from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
 from qattn.cute_kernels.sm90.decode import DecodeSm90
-from qattn.cute_kernels.sm90.decode_config import (DecodeConfig, m_blocks_for, num_splits_heuristic, row_tiles_for,
-                                                   tuning_from_env)
+from qattn.cute_kernels.sm90.decode_config import (NARROW_ROWS, DecodeConfig, m_blocks_for, num_splits_heuristic,
+                                                   row_tiles_for, tuning_from_env)
 from qattn.interface.decode import combine_compile_args, decode_compile_args
 from qattn.layouts.formats import FORMAT_NAMES, kv_format
 
@@ -52,13 +52,15 @@ def _compile(kf, vf, D, qd, group, sq, page, causal, split, window=0, ring_dtype
     rows = group * sq
     cfg = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(rows), page, causal, split,
                        m_blocks=m_blocks_for(rows), ring_window=window, ring_dtype=ring_dtype,
-                       sink_tokens=sink_tokens)
+                       sink_tokens=sink_tokens, narrow=rows <= NARROW_ROWS)  # as choose_config
     _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
     return cfg, ptx
 
 
 def _check_ptx(cfg: DecodeConfig, ptx: str) -> None:
     assert ptx_count(ptx, r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32") > 0, "no tensor-core MMA in the PTX"
+    # narrow: P^T's B fragments come from the S^T accumulator through movmatrix.trans; the wide layout has none
+    assert (ptx_count(ptx, r"movmatrix\.sync\.aligned\.m8n8\.trans\.b16") > 0) == cfg.narrow
     assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global.*16") > 0, "no 16-byte cp.async in the PTX"
     assert ptx_count(ptx, r"cp\.async\.wait_group") > 0
     for f in (cfg.k_fmt, cfg.v_fmt):
@@ -145,6 +147,22 @@ def test_decode_ring_eight_warps_compiles_sm90():
     _check_ptx(cfg, ptx)
 
 
+@pytest.mark.parametrize("kf,vf,D,group,split,W", [("nvfp4", "nvfp4", 128, 4, False, 0), ("fp8", "int8", 64, 8, True, 0),
+                                                  ("nvfp4", "nvfp4", 128, 1, True, 64)])
+def test_narrow_layout_halves_the_mmas(kf, vf, D, group, split, W):
+    """Up to 8 query rows the MMAs run transposed (tokens / head dims on M): half as many m16n8k16 per tile as
+    the wide layout of the same variant, which spends half of each MMA on rows 8..15."""
+    wide, narrow = [DecodeConfig(kv_format(kf), kv_format(vf), D, "bf16", group, 1, 64, True, split, tile_n=128,
+                                 ring_window=W, narrow=n) for n in (False, True)]
+    counts = []
+    for cfg in (wide, narrow):
+        _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+        _check_ptx(cfg, ptx)
+        counts.append(ptx_count(ptx, r"mma\.sync\.aligned\.m16n8k16"))
+    assert counts[0] == 2 * counts[1], counts
+    assert wide.key != narrow.key
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 def test_decode_deeper_pipeline_compiles_sm90(stages):
     """QATTN_DECODE_STAGES (tuning knob): stages - 1 tiles in flight, so the main loop waits for all but
@@ -193,6 +211,10 @@ def test_config_validation_and_heuristic():
         DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, sink_tokens=65)
     with pytest.raises(ValueError, match="sink_tokens"):
         DecodeConfig(f, f, 128, "bf16", 4, 1, 64, True, False, sink_tokens=-1)
+    with pytest.raises(ValueError, match="narrow"):  # more than 8 rows: the wide layout
+        DecodeConfig(f, f, 128, "bf16", 16, 1, 64, True, False, narrow=True)
+    with pytest.raises(ValueError, match="narrow"):
+        DecodeConfig(f, f, 128, "bf16", 4, 2, 64, True, False, narrow=True)
     # many sequences: no split; one long sequence: enough splits to fill the GPU, bounded by the work
     assert num_splits_heuristic(32, 8, 8192, 132) == 1
     assert num_splits_heuristic(1, 8, 131072, 132) == 33
@@ -238,6 +260,9 @@ def test_launcher_config_choice(monkeypatch):
         rc = idec.decode_config_for(ring, "bf16", 4, 1, True, False)
         assert (rc.ring_window, rc.ring_dtype, rc.ring_tile_n) == (64, "f16", 64)
         assert idec.decode_config_for(nv, "bf16", 4, 1, True, False).ring_window == 0
+        # the transposed layout up to 8 rows (seqlen_q x group), the wide one above
+        assert [idec.decode_config_for(nv, "bf16", g, sq, True, False).narrow
+                for g, sq in ((1, 1), (8, 1), (4, 2), (1, 8), (16, 1), (4, 3), (1, 9))] == [True] * 4 + [False] * 3
         sink = PagedKVCache(1, 4, 64, 2, 128, "nvfp4", sink_tokens=2, max_seqs=3, dtype=torch.float16)
         sc = idec.decode_config_for(sink, "bf16", 4, 1, True, False)
         assert (sc.ring_window, sc.sink_tokens, sc.ring_dtype) == (0, 2, "f16")  # the sink's dtype: the cache's

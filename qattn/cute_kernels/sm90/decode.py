@@ -26,6 +26,18 @@ Data path (no flatten-to-bf16 pass anywhere):
       decode them to f16x2 (dim pairs) and turn dim pairs into token pairs with one ``prmt`` each. Output column
       g of n-tile j is then dim g*D/8 + j; the epilogue goes through smem anyway, so the permutation is free.
     - P is the QK^T accumulator converted in registers (the usual FA2 identity), never touching smem.
+* Narrow tiles (``cfg.narrow``: at most 8 packed query rows, i.e. decode with GQA <= 8, or seqlen_q x group <= 8):
+  the M = 16 side of m16n8k16 would be half padding (rows 8..15) in every MMA, in the O accumulator and in the Q
+  fragments. So both products run transposed, S^T = K Q^T (M = 16 tokens, N = 8 rows, K = 16 dims) and
+  O^T = V^T P^T (M = 16 head dims, N = 8 rows, K = 16 tokens). The K and V fragments are unchanged (an A fragment
+  is the B fragments of two tokens / two dim columns side by side), Q becomes the B operand (half the registers),
+  the S^T accumulator is turned into P^T's B fragments by one ``movmatrix.trans`` per 8x8 half, and a row's
+  softmax reduces over the 8 lanes of a quad column instead of the 4 of a quad. Half the MMAs, exponentials and
+  O rescales, and 128 instead of 173 registers (nvfp4, D128): H100, CUDA graph, same caches and splits, nvfp4
+  GQA 32/8 D128 page 128: B32x8K 134.3 -> 109.8 us, B8x32K 137.9 -> 114.1, B128x2K 154.4 -> 115.8, B1x128K
+  89.6 -> 74.4; mxfp4 B32x8K 145.6 -> 121.9; fp8 195.4 -> 191.7 (memory-bound already). Nsight Compute had
+  shown the wide kernel latency-bound (2 warps per scheduler, a third of the stalls on fixed-latency
+  dependencies); 8 warps per CTA (QATTN_DECODE_WARPS) and more splits per SM measured slower again.
 * Dequant: FP4 nibbles -> E4M3 bytes (prmt) -> f16x2 (cvt.rn.f16x2.e4m3x2) from ``common/fp4.py``; the block scale
   is one f16x2 multiply (exact for nvfp4, see fp4.f16x2_mul). fp8 -> f16 by cvt, int8 -> f16 by the exact
   "0x6400 magic" trick. Quantized operands run f16 MMAs (Q converted to f16 once); bf16 caches run bf16 MMAs.
@@ -141,6 +153,13 @@ def bf16x2_to_f32x2(w, *, loc=None, ip=None):
 def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
     """Byte permute: output byte i = byte ``sel`` nibble i of {b, a} (a = bytes 0..3, b = 4..7)."""
     return Uint32(_asm(T.i32(), [_u(a, loc, ip), _u(b, loc, ip)], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r"))
+
+
+@dsl_user_op
+def movmatrix_trans(a, *, loc=None, ip=None) -> Uint32:
+    """Transpose of the warp's 8x8 16-bit matrix whose row lane/4, columns 2(lane%4) + {0, 1} this lane holds
+    (the m16n8 accumulator layout of 8 rows): afterwards the lane holds row lane/4 of the transpose."""
+    return Uint32(_asm(T.i32(), [_u(a, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r"))
 
 
 # $0, $1 <- $2: 4 int8 -> two f16x2, exact. Byte x -> f16 bits 0x6400 | (x ^ 0x80) = 1024 + (x + 128), then
@@ -277,7 +296,8 @@ class DecodeSm90:
                 off += self.vec[name]
         self.stage_vecs = max(page_vecs, off)
         nbytes = 16 * self.stage_vecs * cfg.stages
-        nbytes += 4 * cfg.num_warps * 16 * self.D + 2 * 4 * cfg.num_warps * 16
+        self.rw = 8 if cfg.narrow else 16  # rows of one warp's slot in the merge buffers
+        nbytes += 4 * cfg.num_warps * self.rw * self.D + 2 * 4 * cfg.num_warps * self.rw
         self.smem_bytes = nbytes + 16 * 8  # alignment slack
 
     def buffer_placement(self) -> dict:
@@ -358,9 +378,10 @@ class DecodeSm90:
                 base, sstride[name] = place[name]
                 bufs[name] = cute.make_tensor(stage_buf.iterator + 4 * base,
                                               cute.make_layout((4, n, S), stride=(1, 4, 4 * sstride[name])))
-        sO = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16 * D), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
-        sL = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * 16), byte_alignment=16)
+        RW = self.rw
+        sO = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * RW * D), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * RW), byte_alignment=16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout(cfg.num_warps * RW), byte_alignment=16)
         # word / byte / fp32 views of the stage buffers for the compute side: (index in stage, stage)
         views = {}
         for name, n in self.vec.items():
@@ -425,12 +446,14 @@ class DecodeSm90:
 
         # ---- Q fragments (once): A operand of QK^T, in the dim permutation the K fragments use ----------
         nk = D // 16
-        rQ = cute.make_rmem_tensor((4 * nk,), Uint32)
+        narrow = cfg.narrow
+        rQ = cute.make_rmem_tensor(((2 if narrow else 4) * nk,), Uint32)
         lims = []
         lims_page = []
         lims_sink = []
         for hr in cutlass.range_constexpr(2):
-            r = row0 + mt * 16 + g + 8 * hr
+            # this lane's rows: g and g + 8 of its row tile, or (narrow) 2 q4 and 2 q4 + 1
+            r = row0 + 2 * q4 + hr if narrow else row0 + mt * 16 + g + 8 * hr
             i_q = r // G
             # causal: query i sees keys j <= i + kv_len - Sq (FlashAttention's end-aligned mask)
             lim = kv_len - 1
@@ -444,8 +467,9 @@ class DecodeSm90:
 
         # ---- running softmax state ------------------------------------------------------------------------
         nn = D // 8
-        rO = cute.make_rmem_tensor((4 * nn,), Float32)
-        for i in cutlass.range_constexpr(4 * nn):
+        n_o = D // 4 if narrow else 4 * nn  # O^T (D x 8) or O (16 x D) accumulator values per lane
+        rO = cute.make_rmem_tensor((n_o,), Float32)
+        for i in cutlass.range_constexpr(n_o):
             rO[i] = Float32(0.0)
         rM = cute.make_rmem_tensor((2,), Float32)
         rL = cute.make_rmem_tensor((2,), Float32)
@@ -520,39 +544,53 @@ class DecodeSm90:
 
         # ---- epilogue: per-warp state -> smem, then merge the token groups of each row tile ----------------
         E2 = D // 8
-        for hr in cutlass.range_constexpr(2):
-            l = rL[hr]
-            l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
-            l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
-            row = warp * 16 + g + 8 * hr
-            sM[row] = rM[hr]
-            sL[row] = l
-        for j in cutlass.range_constexpr(nn):
-            for e in cutlass.range_constexpr(4):
-                row = warp * 16 + g + 8 * (e // 2)
-                dim = E2 * (2 * q4 + (e % 2)) + (even_odd_dim(j) if self.v_even_odd else j)
-                sO[row * D + dim] = rO[4 * j + e]
+        slot_dim = even_odd_dim if self.v_even_odd else (lambda j: j)  # column slot -> dim in a lane's slice
+        if cutlass.const_expr(narrow):
+            # rows 2 q4 + hr; a row's tokens are spread over the 8 lanes g of its quad column
+            for hr in cutlass.range_constexpr(2):
+                l = rL[hr]
+                for off in (4, 8, 16):
+                    l = l + cute.arch.shuffle_sync_bfly(l, offset=off)
+                if g == 0:
+                    sM[warp * RW + 2 * q4 + hr] = rM[hr]
+                    sL[warp * RW + 2 * q4 + hr] = l
+            for i in cutlass.range_constexpr(D // 16):
+                for e in cutlass.range_constexpr(4):
+                    row = warp * RW + 2 * q4 + (e % 2)
+                    sO[row * D + E2 * g + slot_dim(2 * i + e // 2)] = rO[4 * i + e]
+        else:
+            for hr in cutlass.range_constexpr(2):
+                l = rL[hr]
+                l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
+                l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
+                row = warp * 16 + g + 8 * hr
+                sM[row] = rM[hr]
+                sL[row] = l
+            for j in cutlass.range_constexpr(nn):
+                for e in cutlass.range_constexpr(4):
+                    row = warp * 16 + g + 8 * (e // 2)
+                    sO[row * D + E2 * (2 * q4 + (e % 2)) + slot_dim(j)] = rO[4 * j + e]
         cute.arch.sync_threads()
 
-        total = MT * 16 * D
+        total = MT * RW * D
         for k in cutlass.range(total // self.T, unroll=1):
             i = tidx + k * self.T
             row_l = i // D  # row within this m-block
             row_c = row0 + row_l
             d = i % D
-            mt_ = row_l // 16
-            rr = row_l % 16
+            mt_ = row_l // RW
+            rr = row_l % RW
             M = Float32(-math.inf)
             for t in cutlass.range_constexpr(TG):
-                M = _fmax(M, sM[(t * MT + mt_) * 16 + rr])
+                M = _fmax(M, sM[(t * MT + mt_) * RW + rr])
             M_use = _sel(M == Float32(-math.inf), Float32(0.0), M, Float32)
             L = Float32(0.0)
             O = Float32(0.0)
             for t in cutlass.range_constexpr(TG):
                 w = t * MT + mt_
-                f = ex2_approx(sM[w * 16 + rr] - M_use)
-                L = L + sL[w * 16 + rr] * f
-                O = O + sO[(w * 16 + rr) * D + d] * f
+                f = ex2_approx(sM[w * RW + rr] - M_use)
+                L = L + sL[w * RW + rr] * f
+                O = O + sO[(w * RW + rr) * D + d] * f
             has = L > Float32(0.0)
             O = O * _sel(has, vg_out / L, Float32(0.0), Float32)
             lse = _sel(has, (M_use + lg2_approx(L)) * Float32(_LN2), Float32(-math.inf), Float32)
@@ -592,9 +630,12 @@ class DecodeSm90:
     def _load_q(self, rQ, mQ, b, h, r_lo, rows, seqlen_q, Hq, q4, to_bf16: bool, even_odd: bool = False):
         """Q fragments (A operand of QK^T) of rows ``r_lo`` and ``r_lo + 8``, in the dim permutation the K
         fragments use (``even_odd``: the order of :meth:`_row_slice`'s ``even_odd`` decode of nvfp4 rows);
-        rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of bounds)."""
+        rows past ``rows`` (padding) get zeros (their index is clamped so nothing is read out of bounds).
+        Narrow: the B operand of S^T = K Q^T, row ``r_lo`` only, k-step j in ``rQ[2j], rQ[2j + 1]`` (the same
+        words as the A fragment's a0a1 and a4a5)."""
         D, G = self.D, self.cfg.group
-        for hr in range(2):
+        narrow = self.cfg.narrow
+        for hr in range(1 if narrow else 2):
             r = r_lo + 8 * hr
             ok = r < rows
             r_use = _sel(ok, r, 0, Int32)
@@ -604,12 +645,22 @@ class DecodeSm90:
                 for p in range(D // 32):
                     w = [self._q_word(mQ[base + 4 * p + i], to_bf16) for i in range(4)]
                     for j, sel in ((2 * p, 0x5410), (2 * p + 1, 0x7632)):
-                        rQ[4 * j + hr] = _sel(ok, prmt(w[0], w[1], sel), Uint32(0), Uint32)
-                        rQ[4 * j + 2 + hr] = _sel(ok, prmt(w[2], w[3], sel), Uint32(0), Uint32)
+                        lo = _sel(ok, prmt(w[0], w[1], sel), Uint32(0), Uint32)
+                        hi = _sel(ok, prmt(w[2], w[3], sel), Uint32(0), Uint32)
+                        self._set_q(rQ, j, hr, lo, hi)
             else:
                 for j in range(D // 16):
-                    rQ[4 * j + hr] = _sel(ok, self._q_word(mQ[base + 2 * j], to_bf16), Uint32(0), Uint32)
-                    rQ[4 * j + 2 + hr] = _sel(ok, self._q_word(mQ[base + 2 * j + 1], to_bf16), Uint32(0), Uint32)
+                    self._set_q(rQ, j, hr, _sel(ok, self._q_word(mQ[base + 2 * j], to_bf16), Uint32(0), Uint32),
+                                _sel(ok, self._q_word(mQ[base + 2 * j + 1], to_bf16), Uint32(0), Uint32))
+
+    def _set_q(self, rQ, j, hr, lo, hi):
+        """Store the k-step ``j`` words of row half ``hr`` (k = 2 q4.. and 2 q4 + 8..) in the fragment layout."""
+        if cutlass.const_expr(self.cfg.narrow):
+            rQ[2 * j] = lo
+            rQ[2 * j + 1] = hi
+        else:
+            rQ[4 * j + hr] = lo
+            rQ[4 * j + 2 + hr] = hi
 
     def _load_tile(self, bufs, tile, stage, kv_len, b, h, tidx, mBT, max_blocks, num_blocks, num_kv_heads,
                    kd_addr, ks_addr, vd_addr, vs_addr):
@@ -752,6 +803,10 @@ class DecodeSm90:
         O += P V. Tokens at positions >= ``kv_len`` or past a row's ``lims`` are masked, and so are positions
         below ``pos_lo`` (a compile-time int: the sink tokens, which page tiles do not read; None: no lower
         bound). ``o_scale`` (or None) multiplies the accumulator before this tile's P V is added."""
+        if cutlass.const_expr(self.cfg.narrow):
+            self._compute_tile_narrow(kf, vf, kpre, vpre, TN, views, stage, pos0, kv_len, lims, g, q4, tg, rQ, rO,
+                                      rM, rL, sl2, o_scale, pos_lo)
+            return
         D = self.D
         nk, nn = D // 16, D // 8
         neg_inf = Float32(-math.inf)
@@ -851,6 +906,100 @@ class DecodeSm90:
                     for e in range(4):
                         rO[4 * j + e] = out[e]
 
+
+    def _compute_tile_narrow(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0,
+                             kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
+        """:meth:`_compute_tile` for at most 8 query rows, with both MMAs transposed (M = 16 tokens or 16 head
+        dims, N = 8 query rows): S^T = K Q^T, O^T = V^T P^T. Same fragments of K and V as the wide layout (the
+        A operand of m16n8k16 is two tokens' B operands side by side), half the MMAs, and half the accumulator
+        and Q registers, which the wide layout spends on rows 8..15 that a decode with GQA <= 8 does not have.
+        The S^T accumulator holds (token g / g + 8, rows 2 q4 / 2 q4 + 1); ``movmatrix.trans`` turns each 8x8 half
+        into the (tokens 2 q4.., row g) B fragment of P^T. O^T value 4 i + e: row 2 q4 + e % 2, column slot
+        2 i + e // 2 of lane g's slice of the head dims."""
+        D = self.D
+        nk = D // 16
+        neg_inf = Float32(-math.inf)
+        tpw = TN // self.cfg.token_groups  # tokens of a tile one warp handles
+        nchunks = tpw // 16
+        t_base = tg * tpw
+
+        # ---- S^T = K Q^T (scaled to the log2 domain, masked); S[c][e]: token t_base + 16 c + g + 8 (e // 2) ----
+        S = []
+        for c in range(nchunks):
+            tok = t_base + 16 * c + g
+            kw = [self._row_slice(kf, views, kpre, stage, tok + 8 * half, 0, D // 4, q4 * (D // 4),
+                                  even_odd=kf.even_odd) for half in range(2)]
+            acc = [Float32(0.0)] * 4
+            for j in range(nk):
+                acc = mma_16816([kw[0][2 * j], kw[1][2 * j], kw[0][2 * j + 1], kw[1][2 * j + 1]],
+                                [rQ[2 * j], rQ[2 * j + 1]], acc, kf.bf16)
+            vals = []
+            for e in range(4):
+                tok_e = tok + 8 * (e // 2)
+                x = acc[e] * sl2
+                if cutlass.const_expr(kf.scale == "row"):
+                    x = x * views["ks_f"][tok_e, stage]
+                keep = pos0 + tok_e <= lims[e % 2]
+                if cutlass.const_expr(pos_lo is not None):
+                    keep = keep & (pos0 + tok_e >= pos_lo)
+                vals.append(_sel(keep, x, neg_inf, Float32))
+            S.append(vals)
+
+        # ---- online softmax (rows 2 q4 + hr; a row's tokens live in the 8 lanes g of one q4) ----
+        for hr in range(2):
+            mx = neg_inf
+            for c in range(nchunks):
+                mx = _fmax(mx, _fmax(S[c][hr], S[c][2 + hr]))
+            for off in (4, 8, 16):
+                mx = _fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+            m_old = rM[hr]
+            m_new = _fmax(m_old, mx)
+            m_use = _sel(m_new == neg_inf, Float32(0.0), m_new, Float32)  # all masked so far: avoid inf - inf
+            corr = ex2_approx(m_old - m_use)
+            corr_o = corr if o_scale is None else corr * o_scale
+            rM[hr] = m_new
+            psum = Float32(0.0)
+            for c in range(nchunks):
+                for k in (0, 2):
+                    p = ex2_approx(S[c][k + hr] - m_use)
+                    S[c][k + hr] = p
+                    psum = psum + p
+            rL[hr] = rL[hr] * corr + psum
+            for i in range(D // 16):
+                for k in (0, 2):
+                    rO[4 * i + k + hr] = rO[4 * i + k + hr] * corr_o
+
+        # ---- O^T += V^T P^T ----
+        for c in range(nchunks):
+            P = S[c]
+            if cutlass.const_expr(vf.scale == "row"):  # per-token V scale into P (see _compute_tile)
+                for e in range(4):
+                    tok_e = t_base + 16 * c + g + 8 * (e // 2)
+                    vs_ok = pos0 + tok_e < kv_len
+                    if cutlass.const_expr(pos_lo is not None):
+                        vs_ok = vs_ok & (pos0 + tok_e >= pos_lo)
+                    vs = _sel(vs_ok, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                    P[e] = P[e] * vs
+            b = [movmatrix_trans(pack_f32x2(P[0], P[1], vf.bf16)), movmatrix_trans(pack_f32x2(P[2], P[3], vf.bf16))]
+            vw = []
+            for off in (0, 1, 8, 9):
+                tok = t_base + 16 * c + 2 * q4 + off
+                ok = pos0 + tok < kv_len  # zero V past the end (0 * NaN), as in _compute_tile
+                if cutlass.const_expr(pos_lo is not None):
+                    ok = ok & (pos0 + tok >= pos_lo)
+                if cutlass.const_expr(vf.kind == "fp4"):
+                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok,
+                                              even_odd=self.v_even_odd))
+                else:
+                    ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
+                    vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+            for i in range(D // 16):
+                # A of m-tile i: rows g / g + 8 = column slots 2i / 2i + 1 of lane g's dims, tokens 2 q4.. / +8..
+                a = [prmt(vw[0][i], vw[1][i], 0x5410), prmt(vw[0][i], vw[1][i], 0x7632),
+                     prmt(vw[2][i], vw[3][i], 0x5410), prmt(vw[2][i], vw[3][i], 0x7632)]
+                out = mma_16816(a, b, [rO[4 * i + e] for e in range(4)], vf.bf16)
+                for e in range(4):
+                    rO[4 * i + e] = out[e]
 
 def decode_compile_args() -> list:
     """Placeholder arguments of :meth:`DecodeSm90.__call__` (zero addresses, unit sizes, a fake stream) to

@@ -8,6 +8,8 @@ Work split (see ``decode.py`` for the why):
               (rows = seqlen_q x group, row r = i_q * group + h_in_group). Up to 128 rows one CTA holds them all;
               129..256 rows take ``m_blocks`` = 2 CTAs of 128 rows each (each reads the same K/V, mostly from L2):
               a 16-warp CTA would need twice the registers and merge buffers of an SM's share.
+    narrow  = rows <= 8 (decode with GQA <= 8): the MMAs run transposed, tokens / head dims on M and the query rows
+              on N = 8 (decode.py, "Narrow tiles"); row_tiles is 1 and the warps only split tokens.
     warps   = max(4, row_tiles); warp w owns row tile ``w % row_tiles`` (16 rows, one mma M) and token group
               ``w // row_tiles``: with few rows the warps of a CTA split every KV tile between them (flash-decoding
               inside the CTA) and merge their softmax states in shared memory at the end.
@@ -39,6 +41,7 @@ STAGES = 2  # cp.async stages of K/V tiles (stages - 1 tiles in flight while one
 ROWS_PER_CTA = 128  # 8 row tiles = 8 warps
 MAX_ROWS = 256  # seqlen_q * group: spec range seqlen_q 1..16 x GQA 1..16; m_blocks = 2 CTAs above 128
 HEAD_DIMS = (64, 128)
+NARROW_ROWS = 8  # up to this many packed query rows, the transposed ("narrow") MMA layout
 PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -77,10 +80,11 @@ def m_blocks_for(rows: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def tuning_from_env() -> tuple:
-    """``(tile_n or None, min_warps, stages or None)`` from ``QATTN_DECODE_TILE_N`` (64 / 128),
-    ``QATTN_DECODE_WARPS`` (4 / 8) and ``QATTN_DECODE_STAGES`` (2 / 3 / 4), read once per process (tuning runs set
-    them before the first call; ``cache_clear()`` re-reads). All end up in the compile key through the
-    :class:`DecodeConfig` they shape."""
+    """``(tile_n or None, min_warps, stages or None, wide)`` from ``QATTN_DECODE_TILE_N`` (64 / 128),
+    ``QATTN_DECODE_WARPS`` (4 / 8), ``QATTN_DECODE_STAGES`` (2 / 3 / 4) and ``QATTN_DECODE_WIDE`` (1: the
+    untransposed MMA layout even for <= 8 rows, for A/B runs), read once per process (tuning runs set them before
+    the first call; ``cache_clear()`` re-reads). All end up in the compile key through the :class:`DecodeConfig`
+    they shape."""
     tn = os.environ.get("QATTN_DECODE_TILE_N")
     if tn is not None and tn not in ("64", "128"):
         raise ValueError(f"QATTN_DECODE_TILE_N: expected 64 or 128, got {tn!r}")
@@ -90,7 +94,10 @@ def tuning_from_env() -> tuple:
     st = os.environ.get("QATTN_DECODE_STAGES")
     if st is not None and st not in ("2", "3", "4"):
         raise ValueError(f"QATTN_DECODE_STAGES: expected 2, 3 or 4, got {st!r}")
-    return (None if tn is None else int(tn)), int(w), (None if st is None else int(st))
+    wide = os.environ.get("QATTN_DECODE_WIDE", "0")
+    if wide not in ("0", "1"):
+        raise ValueError(f"QATTN_DECODE_WIDE: expected 0 or 1, got {wide!r}")
+    return (None if tn is None else int(tn)), int(w), (None if st is None else int(st)), wide == "1"
 
 
 def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
@@ -113,7 +120,8 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
                         bool(split), tile_n=tile_n, stages=stages, min_warps=min_warps,
                         m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
-                        ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16")
+                        ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16",
+                        narrow=rows <= NARROW_ROWS and not tuning_from_env()[3])
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,9 @@ class DecodeConfig:
     ring_window: int = 0  # recent-token window W of the cache (0: no ring); compile time, so p % W is cheap
     ring_dtype: str = "bf16"  # the ring's and the sink's dtype ("bf16" / "f16", the cache's), their tiles' MMA type
     sink_tokens: int = 0  # N first tokens read from the sink buffer (0: none); compile time: the page tiles' start
+    # rows <= 8: the MMAs run transposed, S^T = K Q^T and O^T = V^T P^T, with tokens / head dims as the 16-row M
+    # side and the query rows as the 8-column N side (see decode.py, "Narrow tiles")
+    narrow: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -162,6 +173,9 @@ class DecodeConfig:
             raise ValueError(f"stages: expected 2, 3 or 4, got {self.stages}")
         if self.min_warps not in (4, 8):
             raise ValueError(f"min_warps: expected 4 or 8, got {self.min_warps}")
+        if self.narrow and (self.row_tiles != 1 or self.m_blocks != 1 or self.group > NARROW_ROWS):
+            raise ValueError(f"narrow: only for rows <= {NARROW_ROWS} (one row tile), got group {self.group}, "
+                             f"{self.row_tiles} row tiles, {self.m_blocks} m-blocks")
         if self.tile_n % (16 * self.token_groups):
             raise ValueError("tile_n: must give every token group whole 16-token chunks")
 
@@ -197,7 +211,7 @@ class DecodeConfig:
         """Everything that changes the generated code (the arch is added by the caller)."""
         return ("sm90_decode", _read_key(self.k_fmt), _read_key(self.v_fmt), self.head_dim, self.q_dtype, self.group,
                 self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps,
-                self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens)
+                self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens, self.narrow)
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
