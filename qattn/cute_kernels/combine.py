@@ -9,7 +9,8 @@ Each split s of a row wrote its normalized partial output O_s (fp32) and the nat
 a decode of few sequences has few rows but many splits (B1 x 128K: 32 rows, 32 splits), so the parallelism
 comes from the dims and from loads of several splits in flight (the max over splits is spread over the lanes,
 the weighted sum unrolled): H100, nvfp4 B1 x 128K, 32 splits: decode + combine 76.5 -> 66.1 us (one warp per row took 16.7 us to merge).
-The split loop is a runtime loop, so one compiled variant serves every ``num_splits``.
+The split loop is a runtime loop, so one compiled variant serves every ``num_splits``. Launched as a programmatic
+dependent of the decode (``use_pdl``; the SM90 decode signals it at its start), so the launch overlaps the decode.
 
 Layouts (contiguous):
     out_partial (num_splits, B, Sq, Hq, D) fp32     lse_partial (num_splits, B, Hq, Sq) fp32
@@ -51,7 +52,8 @@ class CombineSplits:
                  batch: Int32, seqlen_q: Int32, num_heads: Int32, num_splits: Int32, stream: cuda.CUstream):
         num_warps = batch * seqlen_q * num_heads * (self.D // 32)
         self.kernel(op_addr, lp_addr, o_addr, lse_addr, batch, seqlen_q, num_heads, num_splits).launch(
-            grid=((num_warps + _WARPS - 1) // _WARPS, 1, 1), block=(32 * _WARPS, 1, 1), stream=stream)
+            grid=((num_warps + _WARPS - 1) // _WARPS, 1, 1), block=(32 * _WARPS, 1, 1), stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, op_addr: Int64, lp_addr: Int64, o_addr: Int64, lse_addr: Int64,
@@ -73,6 +75,10 @@ class CombineSplits:
         mO = cute.make_tensor(cute.make_ptr(self.out_dtype, o_addr, gmem, assumed_align=2),
                               cute.make_layout(num_rows * D))
         mL = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4), cute.make_layout(num_rows))
+        # Programmatic dependent launch: the decode lets this grid start early (its CTAs wait here, already
+        # resident, instead of being launched after the decode ends); wait returns once the decode grid has
+        # completed and its partial outputs are visible. Without a programmatic predecessor it returns at once.
+        cute.arch.griddepcontrol_wait()
         if R < num_rows:
             b = R // (seqlen_q * num_heads)
             rem = R % (seqlen_q * num_heads)

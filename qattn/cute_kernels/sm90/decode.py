@@ -346,6 +346,10 @@ class DecodeSm90:
         TR, W, N = cfg.ring_tile_n, cfg.ring_window, cfg.sink_tokens
         tidx, _, _ = cute.arch.thread_idx()
         split, hm, b = cute.arch.block_idx()
+        if cutlass.const_expr(cfg.split):
+            # the combine kernel (launched with programmatic dependent launch) may be scheduled now: it waits
+            # for this grid's completion itself (griddepcontrol.wait), so only its launch latency overlaps
+            cute.arch.griddepcontrol_launch_dependents()
         h = hm // cfg.m_blocks
         row0 = (hm % cfg.m_blocks) * (MT * 16)  # first packed row of this m-block
         warp = tidx // 32
