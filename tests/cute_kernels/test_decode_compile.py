@@ -263,6 +263,15 @@ def test_launcher_config_choice(monkeypatch):
         # the transposed layout up to 8 rows (seqlen_q x group), the wide one above
         assert [idec.decode_config_for(nv, "bf16", g, sq, True, False).narrow
                 for g, sq in ((1, 1), (8, 1), (4, 2), (1, 8), (16, 1), (4, 3), (1, 9))] == [True] * 4 + [False] * 3
+        monkeypatch.setenv("QATTN_DECODE_WIDE", "1")  # A/B knob: the untransposed layout for every row count
+        tuning_from_env.cache_clear()
+        assert not idec.decode_config_for(nv, "bf16", 4, 1, True, False).narrow
+        monkeypatch.setenv("QATTN_DECODE_WIDE", "2")
+        tuning_from_env.cache_clear()
+        with pytest.raises(ValueError, match="QATTN_DECODE_WIDE"):
+            idec.decode_config_for(nv, "bf16", 4, 1, True, False)
+        monkeypatch.delenv("QATTN_DECODE_WIDE")
+        tuning_from_env.cache_clear()
         sink = PagedKVCache(1, 4, 64, 2, 128, "nvfp4", sink_tokens=2, max_seqs=3, dtype=torch.float16)
         sc = idec.decode_config_for(sink, "bf16", 4, 1, True, False)
         assert (sc.ring_window, sc.sink_tokens, sc.ring_dtype) == (0, 2, "f16")  # the sink's dtype: the cache's

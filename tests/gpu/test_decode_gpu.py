@@ -207,6 +207,34 @@ def test_decode_ring_with_eight_warps(monkeypatch):
         tuning_from_env.cache_clear()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("splits", [33, 64])
+def test_decode_many_splits(fmt, splits):
+    """More than 32 splits: the combine's max over splits takes two rounds of lanes and its weighted sum an
+    unrolled loop with a remainder; splits past the last tile are empty. Narrow (GQA 4) and wide (GQA 16) tiles,
+    long and ragged sequences."""
+    lens = [64 * 128 + 37, 5000, 1]
+    _run(fmt, 128, 4, 1, 128, splits, lens=lens)
+    _run(fmt, 64, 16, 1, 64, splits, lens=lens)
+
+
+def test_decode_wide_layout_knob(monkeypatch):
+    """QATTN_DECODE_WIDE=1 (A/B knob): rows <= 8 run the untransposed layout again, and match the reference."""
+    from qattn.cute_kernels.sm90.decode_config import tuning_from_env
+    from qattn.interface.decode import decode_config_for
+
+    monkeypatch.setenv("QATTN_DECODE_WIDE", "1")
+    tuning_from_env.cache_clear()
+    try:
+        case = make_case("nvfp4", 128, 4, 1, 64, [10])
+        assert not decode_config_for(case[0], "bf16", 4, 1, True, False).narrow
+        _run("nvfp4", 128, 4, 1, 64, 3)
+        _run("int8", 64, 8, 1, 16, 1)
+    finally:
+        monkeypatch.delenv("QATTN_DECODE_WIDE")
+        tuning_from_env.cache_clear()
+
+
 # (format, window, cache dtype, q dtype): every format, with and without a ring, both cache dtypes
 SINK_FORMATS = [
     ("nvfp4", 64, torch.bfloat16, torch.bfloat16),
