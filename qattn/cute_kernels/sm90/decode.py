@@ -801,6 +801,33 @@ class DecodeSm90:
                         words.append(fp4.f16x2_mul(hh, s2))
         return words
 
+    def _keep(self, pos, kv_len, pos_lo):
+        """Position ``pos`` is one this tile reads: below the sequence end and, with a sink (``pos_lo``, a
+        compile-time int or None), not below it."""
+        ok = pos < kv_len
+        if cutlass.const_expr(pos_lo is not None):
+            ok = ok & (pos >= pos_lo)
+        return ok
+
+    def _v_rows(self, vf: FmtInfo, views, vpre: str, stage, tok0, pos0, kv_len, pos_lo, g):
+        """This lane's V words of a 16-token chunk: tokens ``tok0`` + 0, 1, 8, 9 (tile-local), head dims
+        [g D/8, (g+1) D/8), as :meth:`_row_slice` returns them. Bytes past the sequence end may be anything (NaN
+        bf16, 0x7F E4M3 scales): P = 0 there, but 0 * NaN is NaN, so the values themselves are zeroed: FP4
+        through the block scale (one select per block instead of one per word: fewer integer-pipe
+        instructions), the other formats word by word."""
+        D = self.D
+        vw = []
+        for off in (0, 1, 8, 9):
+            tok = tok0 + off
+            ok = self._keep(pos0 + tok, kv_len, pos_lo)
+            if cutlass.const_expr(vf.kind == "fp4"):
+                vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok,
+                                          even_odd=self.v_even_odd))
+            else:
+                ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
+                vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+        return vw
+
     def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
         """One warp's share of one tile of ``TN`` tokens at positions ``pos0 + t``: S = Q K^T, online softmax,
@@ -877,29 +904,12 @@ class DecodeSm90:
                 for nt in range(2):
                     for e in range(4):
                         tok_e = t_base + 16 * c + 8 * nt + 2 * q4 + (e % 2)
-                        vs_ok = pos0 + tok_e < kv_len
-                        if cutlass.const_expr(pos_lo is not None):
-                            vs_ok = vs_ok & (pos0 + tok_e >= pos_lo)
-                        vs = _sel(vs_ok, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                        vs = _sel(self._keep(pos0 + tok_e, kv_len, pos_lo), views["vs_f"][tok_e, stage], Float32(0.0),
+                                  Float32)
                         P[nt][e] = P[nt][e] * vs
             a = [pack_f32x2(P[0][0], P[0][1], vf.bf16), pack_f32x2(P[0][2], P[0][3], vf.bf16),
                  pack_f32x2(P[1][0], P[1][1], vf.bf16), pack_f32x2(P[1][2], P[1][3], vf.bf16)]
-            vw = []
-            for off in (0, 1, 8, 9):
-                tok = t_base + 16 * c + 2 * q4 + off
-                # bytes past the sequence end may be anything (NaN bf16, 0x7F E4M3 scales): P = 0 there,
-                # but 0 * NaN is NaN, so zero the values themselves: FP4 through the block scale (one select per
-                # block instead of one per word: fewer integer-pipe instructions, which bound this loop), the
-                # other formats word by word.
-                ok = pos0 + tok < kv_len
-                if cutlass.const_expr(pos_lo is not None):
-                    ok = ok & (pos0 + tok >= pos_lo)
-                if cutlass.const_expr(vf.kind == "fp4"):
-                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok,
-                                              even_odd=self.v_even_odd))
-                else:
-                    ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
-                    vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+            vw = self._v_rows(vf, views, vpre, stage, t_base + 16 * c + 2 * q4, pos0, kv_len, pos_lo, g)
             for i in range(D // 16):
                 lo01 = prmt(vw[0][i], vw[1][i], 0x5410)
                 hi01 = prmt(vw[0][i], vw[1][i], 0x7632)
@@ -979,24 +989,11 @@ class DecodeSm90:
             if cutlass.const_expr(vf.scale == "row"):  # per-token V scale into P (see _compute_tile)
                 for e in range(4):
                     tok_e = t_base + 16 * c + g + 8 * (e // 2)
-                    vs_ok = pos0 + tok_e < kv_len
-                    if cutlass.const_expr(pos_lo is not None):
-                        vs_ok = vs_ok & (pos0 + tok_e >= pos_lo)
-                    vs = _sel(vs_ok, views["vs_f"][tok_e, stage], Float32(0.0), Float32)
+                    vs = _sel(self._keep(pos0 + tok_e, kv_len, pos_lo), views["vs_f"][tok_e, stage], Float32(0.0),
+                              Float32)
                     P[e] = P[e] * vs
             b = [movmatrix_trans(pack_f32x2(P[0], P[1], vf.bf16)), movmatrix_trans(pack_f32x2(P[2], P[3], vf.bf16))]
-            vw = []
-            for off in (0, 1, 8, 9):
-                tok = t_base + 16 * c + 2 * q4 + off
-                ok = pos0 + tok < kv_len  # zero V past the end (0 * NaN), as in _compute_tile
-                if cutlass.const_expr(pos_lo is not None):
-                    ok = ok & (pos0 + tok >= pos_lo)
-                if cutlass.const_expr(vf.kind == "fp4"):
-                    vw.append(self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8), keep=ok,
-                                              even_odd=self.v_even_odd))
-                else:
-                    ws = self._row_slice(vf, views, vpre, stage, tok, 0, D // 8, g * (D // 8))
-                    vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
+            vw = self._v_rows(vf, views, vpre, stage, t_base + 16 * c + 2 * q4, pos0, kv_len, pos_lo, g)
             for i in range(D // 16):
                 # A of m-tile i: rows g / g + 8 = column slots 2i / 2i + 1 of lane g's dims, tokens 2 q4.. / +8..
                 a = [prmt(vw[0][i], vw[1][i], 0x5410), prmt(vw[0][i], vw[1][i], 0x7632),
