@@ -158,6 +158,9 @@ class DecodeConfig:
         if self.m_blocks not in (1, 2) or (self.m_blocks > 1 and self.row_tiles != 8):
             raise ValueError(f"m_blocks: expected 1, or 2 with 8 row tiles (rows <= {MAX_ROWS}), got "
                              f"{self.m_blocks} with {self.row_tiles} row tiles")
+        if self.narrow and (self.row_tiles != 1 or self.m_blocks != 1 or self.group > NARROW_ROWS):
+            raise ValueError(f"narrow: only for rows <= {NARROW_ROWS} (one row tile), got group {self.group}, "
+                             f"{self.row_tiles} row tiles, {self.m_blocks} m-blocks")
         if not 1 <= self.group <= self.max_rows:
             raise ValueError(f"group: {self.group} query heads per kv head does not fit {self.max_rows} rows")
         if not isinstance(self.ring_window, int) or self.ring_window < 0:
@@ -173,9 +176,6 @@ class DecodeConfig:
             raise ValueError(f"stages: expected 2, 3 or 4, got {self.stages}")
         if self.min_warps not in (4, 8):
             raise ValueError(f"min_warps: expected 4 or 8, got {self.min_warps}")
-        if self.narrow and (self.row_tiles != 1 or self.m_blocks != 1 or self.group > NARROW_ROWS):
-            raise ValueError(f"narrow: only for rows <= {NARROW_ROWS} (one row tile), got group {self.group}, "
-                             f"{self.row_tiles} row tiles, {self.m_blocks} m-blocks")
         if self.tile_n % (16 * self.token_groups):
             raise ValueError("tile_n: must give every token group whole 16-token chunks")
 
@@ -194,7 +194,8 @@ class DecodeConfig:
 
     @property
     def max_rows(self) -> int:
-        return 16 * self.row_tiles * self.m_blocks
+        """Packed query rows (seqlen_q x group) a launch of this variant can hold."""
+        return NARROW_ROWS if self.narrow else 16 * self.row_tiles * self.m_blocks
 
     @property
     def ring_tile_n(self) -> int:
