@@ -57,6 +57,29 @@ def test_config_rejects_unsupported(kw, err):
         PrefillConfig(**args)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_64_takes_three_mma_warpgroups(causal):
+    """head_dim 64, per_warp q scales, 16-bit P.V: 192-row tiles, three MMA warpgroups of 160 registers after
+    the producer's setmaxnreg.dec; per_block (128-row q scales) and D128 keep two of 240."""
+    three = PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp")
+    assert (three.tile_m, three.mma_warpgroups) == (192, 3)
+    ptx = _compile(three)
+    assert ptx_has(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160")
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+    for two in (PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block"),
+                PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp"),
+                PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype="fp8")):
+        assert two.tile_m == 128 and two.mma_warpgroups == 2
+    assert ptx_has(_compile(PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block")),
+                   r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240")
+    with pytest.raises(ValueError, match="per_warp"):
+        PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block", tile_m=192)
+    with pytest.raises(ValueError, match="tile_m"):
+        PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", tile_m=256)
+    assert three.key != PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp",
+                                      tile_m=128).key
+
+
 # ---- FP8 P x V (pv_dtype="fp8") -------------------------------------------------------------------------------
 FP8_VARIANTS = [(64, "bf16", False, "per_warp"), (64, "bf16", True, "per_warp"), (128, "bf16", False, "per_warp"),
                 (128, "bf16", True, "per_warp"), (128, "fp16", True, "per_block")]

@@ -113,12 +113,14 @@ def _consumer_state(count, stages: int) -> pipeline.PipelineState:
 class QKInt8PrefillSm90:
     """INT8-QK prefill attention for one :class:`PrefillConfig`; see the module docstring."""
 
-    num_threads = 384
     producer_regs = 24
-    mma_regs = 240
 
     def __init__(self, cfg: PrefillConfig):
         self.cfg = cfg
+        self.nw = cfg.mma_warpgroups  # MMA warpgroups (2 or 3) after the producer warpgroup
+        self.num_threads = 128 * (self.nw + 1)
+        # what the MMA warpgroups may hold once the producer gave its registers back (64K per SM, in steps of 8)
+        self.mma_regs = 240 if self.nw == 2 else 160
         self.D = cfg.head_dim
         self.v_dtype = BFloat16 if cfg.v_dtype == "bf16" else Float16
         self.fp8 = cfg.pv_dtype == "fp8"
@@ -305,7 +307,7 @@ class QKInt8PrefillSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)  # one arrive per MMA warp
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.nw)  # one arrive per MMA warp
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
@@ -403,6 +405,8 @@ class QKInt8PrefillSm90:
         q_group = m_block
         if cutlass.const_expr(cfg.granularity == "per_warp"):
             q_group = m_block * (TM // 16) + ctid // 32
+            if cutlass.const_expr(TM != 128):  # the prepass sizes q_scale for 128-row blocks: rows past them are
+                q_group = cutlass.min(q_group, num_q_groups - 1)  # padding (never stored), any scale will do
         qs_log2 = scale_log2
         mKS = None
         ks_base = Int32(0)
@@ -432,12 +436,12 @@ class QKInt8PrefillSm90:
         # are derived from the tile index (no state object is carried across the staged branches).
         wg = ctid // 128
         if n_blocks > 0:
-            if wg == 1:  # warpgroup 0 takes the first turn
+            if wg == self.nw - 1:  # warpgroup 0 takes the first turn
                 self._turn_done(0)
             st = _consumer_state(0, cfg.kv_stages)
             self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
-            self._turn_done(1 - wg)
+            self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
             k_pipe.consumer_release(st)
             self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, diag)
@@ -449,7 +453,7 @@ class QKInt8PrefillSm90:
             self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
             self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev)
-            self._turn_done(1 - wg)
+            self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
             k_pipe.consumer_release(st)
             self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
@@ -475,8 +479,8 @@ class QKInt8PrefillSm90:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
             self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st)
-            if wg == 0:  # warpgroup 1's last turn follows; nobody waits after it
-                self._turn_done(1)
+            if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
+                self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
             v_pipe.consumer_release(st)
             if cutlass.const_expr(self.fp8):
@@ -525,8 +529,12 @@ class QKInt8PrefillSm90:
     # ----------------------------------------------------------------------------------------------
     # Ping-pong (FA3): the warpgroups alternate issuing their wgmmas, so one runs its softmax while the other's
     # MMAs occupy the tensor cores. Named barrier 1 + w = "warpgroup w may issue": w syncs on it (128 threads),
-    # the other warpgroup arrives on it (128 threads) when its own issue phase is over. Both warpgroups have
-    # n_blocks + 1 issue phases; warpgroup 1 gets the first arrive for free and skips its very last one.
+    # the previous warpgroup in the rotation 0, 1[, 2] arrives on it (128 threads) when its own issue phase is
+    # over. Every warpgroup has n_blocks + 1 issue phases; the last one gives warpgroup 0 its first turn and skips
+    # its very last arrive.
+    def _next_wg(self, wg):
+        return 1 - wg if self.nw == 2 else (wg + 1) % self.nw
+
     @cute.jit
     def _my_turn(self, wg):
         if cutlass.const_expr(self.cfg.pingpong):
