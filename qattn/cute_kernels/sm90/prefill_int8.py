@@ -1,12 +1,13 @@
 """SM90 prefill attention with INT8 Q/K (SageAttention style): wgmma s8 x s8 -> s32 for Q K^T, fp32 online
 softmax, bf16/fp16 P x V on wgmma with P straight from registers (issue 5, v0).
 
-One CTA = one 128-row query tile of one (batch, head); 3 warpgroups:
+One CTA = one query tile of one (batch, head), 64 rows per MMA warpgroup: 128 rows and 3 warpgroups, or (head_dim
+64, per_warp q scales, 16-bit P x V; ``prefill_config.default_tile_m``) 192 rows and 4:
 
 * warpgroup 0, warp 0 is the producer: TMA loads of the Q tile (once), then K and V tiles of 128 keys into
   ``kv_stages``-deep smem rings (two ``PipelineTmaAsync`` pipelines, one for K, one for V, so that the QK^T of
   a tile can start before its V has landed). Its registers are given back (setmaxregister).
-* warpgroups 1 and 2 own query rows 0..63 and 64..127. Per K/V tile:
+* warpgroups 1, 2 (, 3) own query rows 0..63, 64..127 (, 128..191). Per K/V tile:
     S_int32 = wgmma(Q_int8, K_int8)         (SS, K-major both: the only form s8 wgmma has)
     S = float(S_int32) * (q_scale * k_scale * softmax_scale * log2 e)
   The product is exact up to one fp32 rounding: |S_int32| <= 127^2 * 128 < 2^24, so the int -> fp32
@@ -38,8 +39,7 @@ pairwise trees, and the running max moves (and O is rescaled, skipped warp by wa
 max exceeds it by more than 2^8: H100 A/B, kernel only, CUDA graph, B2 H16: D128 S8K 1644.7 -> 1614.6 us, causal
 909.0 -> 862.5, S16K causal 3394.4 -> 3242.6, D64 S16K causal 2621.6 -> 2510.7.
 
-Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid, 128-row tiles with
-two MMA warpgroups at every head_dim (FlashAttention-3 takes 192 rows and three for head_dim <= 64). Measured
+Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid. Measured
 on an H100 (D128 S8K): Nsight Compute has the shared (tensor) pipe ~56 % busy, and the kernel's TFLOP/s are ~52 %
 of what the int8 + bf16 MMA peak rates allow, against ~67 % of the bf16 peak for FA4's kernel, so the int8
 Q K^T's 2x rate shows up only as parity with FA4 (docs/results).
