@@ -920,7 +920,6 @@ class DecodeSm90:
                     for e in range(4):
                         rO[4 * j + e] = out[e]
 
-
     def _compute_tile_narrow(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0,
                              kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
         """:meth:`_compute_tile` for at most 8 query rows, with both MMAs transposed (M = 16 tokens or 16 head
@@ -1001,6 +1000,7 @@ class DecodeSm90:
                 out = mma_16816(a, b, [rO[4 * i + e] for e in range(4)], vf.bf16)
                 for e in range(4):
                     rO[4 * i + e] = out[e]
+
 
 def decode_compile_args() -> list:
     """Placeholder arguments of :meth:`DecodeSm90.__call__` (zero addresses, unit sizes, a fake stream) to

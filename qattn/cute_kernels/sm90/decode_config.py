@@ -33,6 +33,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 from qattn.layouts.formats import KVFormat
 
@@ -78,9 +79,16 @@ def m_blocks_for(rows: int) -> int:
     return -(-rows // ROWS_PER_CTA)
 
 
+class DecodeTuning(NamedTuple):
+    tile_n: Optional[int]  # None: default_tile_n
+    min_warps: int
+    stages: Optional[int]  # None: STAGES
+    wide: bool  # True: no narrow tiles (A/B runs)
+
+
 @functools.lru_cache(maxsize=1)
-def tuning_from_env() -> tuple:
-    """``(tile_n or None, min_warps, stages or None, wide)`` from ``QATTN_DECODE_TILE_N`` (64 / 128),
+def tuning_from_env() -> DecodeTuning:
+    """``DecodeTuning(tile_n or None, min_warps, stages or None, wide)`` from ``QATTN_DECODE_TILE_N`` (64 / 128),
     ``QATTN_DECODE_WARPS`` (4 / 8), ``QATTN_DECODE_STAGES`` (2 / 3 / 4) and ``QATTN_DECODE_WIDE`` (1: the
     untransposed MMA layout even for <= 8 rows, for A/B runs), read once per process (tuning runs set them before
     the first call; ``cache_clear()`` re-reads). All end up in the compile key through the :class:`DecodeConfig`
@@ -97,12 +105,12 @@ def tuning_from_env() -> tuple:
     wide = os.environ.get("QATTN_DECODE_WIDE", "0")
     if wide not in ("0", "1"):
         raise ValueError(f"QATTN_DECODE_WIDE: expected 0 or 1, got {wide!r}")
-    return (None if tn is None else int(tn)), int(w), (None if st is None else int(st)), wide == "1"
+    return DecodeTuning(None if tn is None else int(tn), int(w), None if st is None else int(st), wide == "1")
 
 
 def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
     """Tokens per page tile: ``default_tile_n`` unless ``QATTN_DECODE_TILE_N`` overrides it."""
-    tn = tuning_from_env()[0]
+    tn = tuning_from_env().tile_n
     return default_tile_n(k_fmt, v_fmt) if tn is None else tn
 
 
@@ -114,14 +122,15 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
     rows = seqlen_q * group
     tile_n = tile_n_for(k_fmt, v_fmt)
     # 8 warps split a tile 8 ways only when it has 8 x 16 tokens
-    min_warps = tuning_from_env()[1] if tile_n >= 128 else 4
-    stages = tuning_from_env()[2] or STAGES
+    tuning = tuning_from_env()
+    min_warps = tuning.min_warps if tile_n >= 128 else 4
+    stages = tuning.stages or STAGES
     return DecodeConfig(k_fmt, v_fmt, head_dim, q_dtype, group, row_tiles_for(rows), page_size, bool(causal),
                         bool(split), tile_n=tile_n, stages=stages, min_warps=min_warps,
                         m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
                         ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16",
-                        narrow=rows <= NARROW_ROWS and not tuning_from_env()[3])
+                        narrow=rows <= NARROW_ROWS and not tuning.wide)
 
 
 @dataclass(frozen=True)

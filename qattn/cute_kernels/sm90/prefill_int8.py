@@ -533,7 +533,7 @@ class QKInt8PrefillSm90:
     # over. Every warpgroup has n_blocks + 1 issue phases; the last one gives warpgroup 0 its first turn and skips
     # its very last arrive.
     def _next_wg(self, wg):
-        return 1 - wg if self.nw == 2 else (wg + 1) % self.nw
+        return (wg + 1) % self.nw
 
     @cute.jit
     def _my_turn(self, wg):
