@@ -62,6 +62,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _check_q_dtypes(q, k_int8, quantize_q: bool, granularity: str) -> None:
+    if k_int8.dtype != torch.int8:
+        raise TypeError(f"k_int8: expected torch.int8, got {k_int8.dtype}")
+    if not quantize_q:
+        if q.dtype != torch.int8:
+            raise TypeError(f"q_int8: expected torch.int8 (or Q in bf16/fp16 with q_scale=None), got {q.dtype}")
+        return
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q_int8: with q_scale=None, expected the unquantized Q (bf16/fp16), got {q.dtype}")
+    if granularity != "per_warp":
+        raise ValueError(f"q_scale: None (Q quantized inside the kernel) needs granularity='per_warp', got {granularity!r}")
+
+
 def _check_heads(D: int, Hq: int, Hkv: int, kname: str) -> None:
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
@@ -123,7 +136,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
 
 def prefill_int8(
     q_int8: torch.Tensor,
-    q_scale: torch.Tensor,
+    q_scale: Optional[torch.Tensor],
     k_int8: torch.Tensor,
     k_scale: torch.Tensor,
     v: torch.Tensor,
@@ -146,6 +159,10 @@ def prefill_int8(
     ceil(seqlen_k / 128) * 128) with its ``v_scale`` fp32 (batch, num_kv_heads, head_dim); the output dtype is
     ``out_dtype`` (bf16 or fp16, default bf16, or that of ``out``). ``pv_dtype="bf16"`` means V's 16-bit dtype.
 
+    ``q_scale=None`` (SM90, ``granularity="per_warp"``): ``q_int8`` is the unquantized Q in the output's 16-bit
+    dtype and the kernel quantizes it itself, with the prepass's numerics (one Q read instead of the prepass's
+    read + int8 write + the kernel's int8 read); ``flash_attn_func`` does this.
+
     Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
@@ -162,13 +179,13 @@ def prefill_int8(
     dev = q_int8.device
     B, Sq, Hq, D = q_int8.shape
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
-    if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
-        raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
+    quantize_q = q_scale is None
+    _check_q_dtypes(q_int8, k_int8, quantize_q, granularity)
     if fp8:
         if v.dtype != torch.float8_e4m3fn:
             raise TypeError(f"v: pv_dtype='fp8' expects the V prepass's V^T (torch.float8_e4m3fn), got {v.dtype}")
         if out_dtype is None:
-            out_dtype = out.dtype if out is not None else torch.bfloat16
+            out_dtype = out.dtype if out is not None else (q_int8.dtype if quantize_q else torch.bfloat16)
         if out_dtype not in _DTYPES:
             raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float16, got {out_dtype}")
     else:
@@ -177,6 +194,8 @@ def prefill_int8(
         if v_scale is not None:
             raise ValueError("v_scale: only used with pv_dtype='fp8'")
         out_dtype = v.dtype
+    if quantize_q and q_int8.dtype != out_dtype:
+        raise TypeError(f"q_int8: with q_scale=None, Q must have the output's dtype {out_dtype}, got {q_int8.dtype}")
     _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (B, Sk, Hkv, D), dev)
     if fp8:
@@ -190,7 +209,8 @@ def prefill_int8(
     if Sq < 1 or Sk < 1:
         raise ValueError(f"q_int8: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
     n_qg, n_kb = _scale_groups(granularity, Sq, Sk)
-    _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
+    if not quantize_q:
+        _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
     _check(k_scale, "k_scale", torch.float32, (B, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing; split the batch")
@@ -202,24 +222,27 @@ def prefill_int8(
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
         check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
+        if quantize_q:
+            raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
         q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
-                        pv_dtype=pv_dtype, **(_tuning or {}))  # _tuning: kv_stages / pingpong overrides (A/B)
+                        pv_dtype=pv_dtype, quantize_q=quantize_q, **(_tuning or {}))  # _tuning: A/B overrides
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
-    _launch(cfg, q_int8, k_int8, v, out, lse, q_scale.contiguous(), k_scale.contiguous(), None, None,
+    _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
+            None, None,
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None)
     return (out, lse) if return_lse else out
 
 
 def prefill_int8_varlen(
     q_int8: torch.Tensor,
-    q_scale: torch.Tensor,
+    q_scale: Optional[torch.Tensor],
     k_int8: torch.Tensor,
     k_scale: torch.Tensor,
     v: torch.Tensor,
@@ -242,6 +265,8 @@ def prefill_int8_varlen(
     num_kv_heads, ceil(max_seqlen_k / 128)). Returns out (total_q, num_heads, head_dim) and, with ``return_lse``,
     LSE (num_heads, total_q). cu_seqlens contents are not read on the host (no sync): they must be
     non-decreasing, start at 0, end at the totals, and no sequence may exceed ``max_seqlen_q`` / ``max_seqlen_k``.
+    ``q_scale=None``: ``q_int8`` is the unquantized Q in V's dtype, quantized inside the kernel (per_warp), as in
+    :func:`prefill_int8`.
     """
     for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
         if not isinstance(t, torch.Tensor):
@@ -251,10 +276,12 @@ def prefill_int8_varlen(
     dev = q_int8.device
     Tq, Hq, D = q_int8.shape
     Tk, Hkv = k_int8.shape[0], k_int8.shape[1]
-    if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
-        raise TypeError(f"q_int8, k_int8: expected torch.int8, got {q_int8.dtype} and {k_int8.dtype}")
+    quantize_q = q_scale is None
+    _check_q_dtypes(q_int8, k_int8, quantize_q, granularity)
     if v.dtype not in _DTYPES:
         raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+    if quantize_q and q_int8.dtype != v.dtype:
+        raise TypeError(f"q_int8: with q_scale=None, Q must have V's dtype {v.dtype}, got {q_int8.dtype}")
     _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (Tk, Hkv, D), dev)
     _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
@@ -270,7 +297,8 @@ def prefill_int8_varlen(
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= max(total, 1):
             raise ValueError(f"{name}: expected an int in [1, {total}], got {m!r}")
     n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
-    _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
+    if not quantize_q:
+        _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
     _check(k_scale, "k_scale", torch.float32, (num_seqs, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing")
@@ -280,10 +308,11 @@ def prefill_int8_varlen(
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
-                        varlen=True, **(_tuning or {}))
+                        varlen=True, quantize_q=quantize_q, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
-    _launch(cfg, q_int8, k_int8, v, out, lse, q_scale.contiguous(), k_scale.contiguous(), cu_seqlens_q.contiguous(),
+    _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
+            cu_seqlens_q.contiguous(),
             cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale)
     return (out, lse) if return_lse else out
 
@@ -340,7 +369,9 @@ def flash_attn_func(
     head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
 
     Two launches on the current stream: the prepass (``qattn.quant.quantize_qk_int8``: int8 Q/K with fp32 scales,
-    K minus its per-channel mean when ``smooth_k``) and the attention kernel (:func:`prefill_int8`). P x V runs
+    K minus its per-channel mean when ``smooth_k``) and the attention kernel (:func:`prefill_int8`). On SM90 with
+    ``granularity="per_warp"`` the prepass quantizes K only (``qattn.quant.launch.quantize_k_int8``) and the
+    attention kernel quantizes Q itself, with the same numerics (same output, less memory traffic). P x V runs
     in V's dtype with ``pv_dtype="bf16"`` (meaning "V's 16-bit dtype"), or in FP8 E4M3 with ``pv_dtype="fp8"``
     (then a third launch, the V prepass ``qattn.quant.v_fp8.quantize_v_fp8``: per-channel scaled E4M3 V^T).
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
@@ -367,7 +398,7 @@ def flash_attn_func(
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                            pv_dtype: str, qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
-    from ..quant.launch import quantize_qk_int8
+    from ..quant.launch import quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
         _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
@@ -378,8 +409,13 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         from ..quant.v_fp8 import _check_v
 
         _check_v(v)  # before any launch: head_dim 64 / 128
-    q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                         warp_q=WARP_Q, block_k=BLOCK_K)
+    if _kernel_quantizes_q(q, granularity):
+        q8, qs = q, None
+        _check_q_k(q, k)
+        k8, ks, _ = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K)
+    else:
+        q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                             warp_q=WARP_Q, block_k=BLOCK_K)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
@@ -436,19 +472,40 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                                   qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
-    from ..quant.launch import quantize_qk_int8_varlen
+    from ..quant.launch import quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
         _check_sm100_options(q.device, varlen=True)
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
-    q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                                warp_q=WARP_Q, block_k=BLOCK_K)
+    if _kernel_quantizes_q(q, granularity):
+        q8, qs = q, None
+        _check_q_k(q, k)
+        if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.device != q.device:
+            raise ValueError(f"cu_seqlens_q: expected device {q.device}, got {cu_seqlens_q.device}")
+        k8, ks, _ = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K)
+    else:
+        q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                                    warp_q=WARP_Q, block_k=BLOCK_K)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                return_lse=True)
+
+
+def _kernel_quantizes_q(q: torch.Tensor, granularity: str) -> bool:
+    """SM90 with per_warp q scales: the attention kernel quantizes Q itself (``PrefillConfig.quantize_q``)."""
+    return granularity == "per_warp" and q.is_cuda and _check_arch(q.device) == "sm_90a"
+
+
+def _check_q_k(q: torch.Tensor, k: torch.Tensor) -> None:
+    """What the Q/K prepass would have checked about the pair before any launch."""
+    if k.device != q.device:
+        raise ValueError(f"k: expected device {q.device} (that of q), got {k.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's head_dim {q.shape[-1]}")
+    _check_heads(q.shape[-1], q.shape[-2], k.shape[-2], "k")
 
 
 def _build_prefill(cfg: PrefillConfig, arch: str):
@@ -462,7 +519,7 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
     V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
-    key, arch first)."""
+    key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them."""
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
@@ -477,7 +534,7 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
                 for gran in ("per_warp", "per_block"):
                     for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):  # fp8 P.V: dense only
                         cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity=gran, varlen=varlen,
-                                            pv_dtype=pv)
+                                            pv_dtype=pv, quantize_q=gran == "per_warp")  # _kernel_quantizes_q
                         label = (f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"
                                  f"{' pv-fp8' if pv == 'fp8' else ''}")
                         out.append(Variant("prefill", (arch,) + cfg.key, label,

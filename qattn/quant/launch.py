@@ -24,7 +24,7 @@ import torch
 
 from .qk_int8 import _check_blocks, _num_groups
 
-__all__ = ["quantize_qk_int8", "quantize_qk_int8_varlen"]
+__all__ = ["quantize_qk_int8", "quantize_qk_int8_varlen", "quantize_k_int8", "quantize_k_int8_varlen"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128, 256)
@@ -322,3 +322,79 @@ def quantize_qk_int8_varlen(
                 smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k, q_int8=q_int8,
                 q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
     return q_int8, q_scale, k_int8, k_scale, k_mean
+
+
+# ------------------------------------------------------------------------------------------------
+# K only: the prepass of flash_attn_func on SM90, whose attention kernel quantizes Q itself
+# ------------------------------------------------------------------------------------------------
+def quantize_k_int8(k: torch.Tensor, *, smooth_k: bool = True, block_k: int = 128
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The K half of :func:`quantize_qk_int8` (launches 1 and 2): ``(k_int8, k_scale, k_mean)``, the same
+    tensors, bytes and scales."""
+    if not isinstance(smooth_k, bool):
+        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_input(k, "k", 4, "(batch, seqlen_k, num_kv_heads, head_dim)")
+    _check_blocks("per_block", block_k, block_k, block_k)
+    B, Sk, Hkv, D = k.shape
+    _check_k_only(k, block_k)
+    if B > _MAX_GRID_YZ:
+        raise ValueError(f"k: batch at most {_MAX_GRID_YZ} (grid limit), got {B}")
+    if Sk > _MAX_I32 // 2:
+        raise ValueError("k: seqlen exceeds the kernels' 32-bit row indexing")
+    k_int8 = _alloc((B, Sk, Hkv, D), torch.int8, k.device)
+    k_scale = _alloc((B, Hkv, -(-Sk // block_k)), torch.float32, k.device)
+    k_mean = _k_mean_out(smooth_k, (B, Hkv, D), Sk, k.device)
+    if B > 0:
+        kv = _kernel_view(k)  # seqlen_q = 0: no Q launch (k stands in for q's device and head_dim)
+        _launch_all(kv, kv, batch=B, seqlen_q=0, seqlen_k=Sk, cu_q=None, cu_k=None, granularity="per_block",
+                    smooth_k=smooth_k, block_q=block_k, warp_q=block_k, block_k=block_k, q_int8=None, q_scale=None,
+                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
+    return k_int8, k_scale, k_mean
+
+
+def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, smooth_k: bool = True,
+                           block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The K half of :func:`quantize_qk_int8_varlen`: ``(k_int8, k_scale, k_mean)``."""
+    if not isinstance(smooth_k, bool):
+        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
+    _check_blocks("per_block", block_k, block_k, block_k)
+    _check_cu(cu_seqlens_k, "cu_seqlens_k", k.device)
+    n = cu_seqlens_k.shape[0] - 1
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    Hkv, D = k.shape[1], k.shape[2]
+    _check_k_only(k, block_k)
+    if n > _MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_k: at most {_MAX_GRID_YZ} sequences (grid limit), got {n}")
+    if max(k.shape[0], Sk) > _MAX_I32 // 2:
+        raise ValueError("k: total rows exceed the kernels' 32-bit row indexing")
+    k_int8 = _alloc(tuple(k.shape), torch.int8, k.device)
+    k_scale = _alloc((n, Hkv, -(-Sk // block_k)), torch.float32, k.device)
+    k_mean = _k_mean_out(smooth_k, (n, Hkv, D), Sk, k.device)
+    if n > 0:
+        kv = _kernel_view(k)
+        cu = cu_seqlens_k.contiguous()
+        _launch_all(kv, kv, batch=n, seqlen_q=0, seqlen_k=Sk, cu_q=cu, cu_k=cu, granularity="per_block",
+                    smooth_k=smooth_k, block_q=block_k, warp_q=block_k, block_k=block_k, q_int8=None, q_scale=None,
+                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
+    return k_int8, k_scale, k_mean
+
+
+def _check_k_only(k: torch.Tensor, block_k: int) -> None:
+    from ..cute_kernels.sm90.qk_int8_quant import QKInt8Quant
+
+    if not k.is_cuda:
+        raise ValueError(f"k: expected a CUDA tensor, got device {k.device} "
+                         "(use qattn.quant.quantize_qk_int8_reference on the CPU)")
+    if k.shape[-2] > _MAX_GRID_YZ:
+        raise ValueError(f"k: at most {_MAX_GRID_YZ} heads (grid limit), got {k.shape[-2]}")
+    QKInt8Quant(k.shape[-1], block_k)  # raises for groups too large for a CTA
+
+
+def _k_mean_out(smooth_k: bool, shape: tuple, seqlen_k: int, dev) -> torch.Tensor | None:
+    if not smooth_k:
+        return None
+    k_mean = _alloc(shape, torch.float32, dev)
+    if seqlen_k == 0:
+        k_mean.zero_()  # an empty K has mean 0, as in the reference
+    return k_mean

@@ -80,6 +80,47 @@ def test_head_dim_64_takes_three_mma_warpgroups(causal):
                                       tile_m=128).key
 
 
+# ---- Q quantized inside the kernel (quantize_q, flash_attn_func's per_warp path) -------------------------------
+@pytest.mark.parametrize("D,v_dtype,causal,varlen,pv", [(128, "bf16", False, False, "bf16"), (64, "fp16", True, False, "bf16"),
+                                                       (64, "bf16", False, True, "bf16"), (128, "bf16", True, False, "fp8")])
+def test_quantize_q_variant_compiles(D, v_dtype, causal, varlen, pv):
+    cfg = PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity="per_warp", varlen=varlen, pv_dtype=pv,
+                        quantize_q=True)
+    ptx = _compile(cfg)
+    plain = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity="per_warp", varlen=varlen,
+                                   pv_dtype=pv))
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
+    # the Q tile still arrives by TMA (16-bit now): as many bulk tensor copies as the int8 Q's, or one more box
+    assert ptx_count(ptx, "cp.async.bulk.tensor") >= ptx_count(plain, "cp.async.bulk.tensor")
+    # generic-proxy smem writes made visible to wgmma, then the warpgroup's named barrier (128 threads)
+    assert ptx_has(ptx, r"fence\.proxy\.async\.shared::cta") and ptx_has(ptx, r"bar\.sync\s+\S+,\s*128;")
+    # exact prepass numerics: div.rn scale, rcp.rn inverse, mul.rn products, rounding by the 1.5 * 2^23 add
+    for op in (r"div\.rn\.f32", r"rcp\.rn\.f32", r"mul\.rn\.f32", r"add\.rn\.f32 \S+, \S+, 0f4B400000", r"max\.u16x2"):
+        assert ptx_has(ptx, op), op
+    assert not ptx_has(ptx, r"cvt\.rni\.s32\.f32"), "quarter-rate float -> int conversions"
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+def test_quantize_q_config():
+    base = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
+    assert PrefillConfig(**base).key != PrefillConfig(**base, quantize_q=True).key
+    assert PrefillConfig(**base, quantize_q=True).key[2:4] == ("bf16", "int8")  # Q's and K's dtypes
+    with pytest.raises(ValueError, match="quantize_q"):
+        PrefillConfig(**dict(base, granularity="per_block"), quantize_q=True)
+    with pytest.raises(ValueError, match="quantize_q"):
+        PrefillConfig(**base, qk_dtype="bf16", quantize_q=True)
+
+
+def test_int8_scores_take_an_integer_row_max():
+    """16-bit P.V: the row max of the biased int8 scores is an integer max tree (ptxas: 3-input IMNMX), no float
+    max left in the softmax except the running max; FP8 P.V (exact subtract first) keeps the float tree."""
+    ptx = _compile(PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp"))
+    assert ptx_count(ptx, r"max\.s32") >= 2 * 63
+    assert ptx_count(ptx, r"max\.f32") < 16
+    fp8 = _compile(PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", pv_dtype="fp8"))
+    assert ptx_count(fp8, r"max\.f32") >= 2 * 63
+
+
 # ---- FP8 P x V (pv_dtype="fp8") -------------------------------------------------------------------------------
 FP8_VARIANTS = [(64, "bf16", False, "per_warp"), (64, "bf16", True, "per_warp"), (128, "bf16", False, "per_warp"),
                 (128, "bf16", True, "per_warp"), (128, "fp16", True, "per_block")]

@@ -244,6 +244,69 @@ def test_varlen_matches_each_sequence(causal, D):
         start += lq
 
 
+# ---- Q quantized inside the kernel (q_scale=None: flash_attn_func's per_warp path on SM90) ---------------------
+# The kernel computes the prepass's Q bytes and scales, so out and LSE must equal those of the kernel run on the
+# prepass's int8 Q, bit for bit (same scores, same instructions after the quantization).
+def _loud_q(q):
+    q[:, :16] = 0  # an all-zero 16-row group: scale 0
+    q[:, 20:21] *= 50  # a loud row in the second group
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_quantized_q_equals_prepass_q(shape, causal, D, dtype):
+    B, Sq, Sk, Hq, Hkv = shape
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, outliers="heavy", seed=Sq + D)
+    q = _loud_q(q)
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    want, want_lse = _run_kernel(q8, qs, k8, ks, v, causal, "per_warp", dtype)
+    got, got_lse = _run_kernel(q, None, k8, ks, v, causal, "per_warp", dtype)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_quantized_q_varlen_equals_prepass_q(causal, D):
+    from qattn.interface.prefill import prefill_int8_varlen
+
+    lens_q, lens_k = [1, 300, 129, 700, 64], [5, 300, 400, 700, 1]
+    if causal:
+        lens_k = [max(a, b) for a, b in zip(lens_q, lens_k)]
+    seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D + 1)
+    q = torch.cat([s[0][0] for s in seqs])
+    outs = []
+    for qq, ss in ((q8, qs), (q, None)):
+        out = torch.full((sum(lens_q), 4, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(prefill_int8_varlen(qq, ss, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                        return_lse=True, out=out))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
+    """flash_attn_func (K-only prepass, Q quantized in the kernel) == the Q/K prepass + kernel, bit for bit."""
+    import qattn
+    from qattn.interface.prefill import prefill_int8
+    from qattn.quant import quantize_qk_int8
+    from qattn.quant.v_fp8 import quantize_v_fp8
+
+    q, k, v = _inputs(2, 700, 900, 8, 2, 128, torch.float16, outliers="k_offset", seed=13)
+    q = _loud_q(q)
+    got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True)
+    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
+    if pv_dtype == "fp8":
+        vt, vs = quantize_v_fp8(v)
+        want, want_lse = prefill_int8(q8, qs, k8, ks, vt, causal=causal, return_lse=True, pv_dtype="fp8",
+                                      v_scale=vs, out_dtype=q.dtype)
+    else:
+        want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------
 # Kernel error: vs ``prefill_fp8pv_emulation`` on the same int8 Q/K and E4M3 V (tight: only accumulation order,
 # ex2.approx and the output rounding differ). Format error: vs exact fp64 attention (FP8 P and V cost ~3.5% NRMSE,

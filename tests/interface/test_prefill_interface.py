@@ -68,11 +68,12 @@ def test_warmup_lists_the_runtime_prefill_keys():
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
     assert len(keys) == 2 * 2 * 2 * (2 * 3 + 2)
-    for causal in (False, True):  # what prefill_int8 / prefill_int8_varlen build at run time
+    for causal in (False, True):  # what flash_attn_func / flash_attn_varlen_func build at run time
         for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):
-            cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", varlen=varlen,
-                                pv_dtype=pv)
-            assert ("sm_90a",) + cfg.key in keys
+            for gran in ("per_warp", "per_block"):  # per_warp: Q quantized in the kernel
+                cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity=gran, varlen=varlen,
+                                    pv_dtype=pv, quantize_q=gran == "per_warp")
+                assert ("sm_90a",) + cfg.key in keys
         for varlen in (False, True):
             cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_block", varlen=varlen,
                                 qk_dtype="bf16")

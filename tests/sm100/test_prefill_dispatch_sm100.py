@@ -35,7 +35,12 @@ def gpu(monkeypatch):
             return quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
                                               warp_q=warp_q, block_k=block_k)
 
+        def fake_k_prepass(k, *, smooth_k, block_k):
+            _, _, k8, ks, km = quantize_qk_int8_reference(k, k, smooth_k=smooth_k, block_k=block_k)
+            return k8, ks, km
+
         monkeypatch.setattr(ql, "quantize_qk_int8", fake_prepass)
+        monkeypatch.setattr(ql, "quantize_k_int8", fake_k_prepass)
         monkeypatch.setattr(prefill_sm100, "_launch", lambda cfg, args, dev: calls.append(("sm100", cfg, args)))
         monkeypatch.setattr(pf, "_launch", lambda cfg, *args: calls.append(("sm90", cfg, args)))
         return calls
@@ -73,6 +78,10 @@ def test_sm90_still_gets_the_sm90_kernel(gpu):
     q, k, v = _qkv()
     qattn.flash_attn_func(q, k, v, causal=True)
     assert len(calls) == 1 and calls[0][0] == "sm90" and isinstance(calls[0][1], PrefillConfig)
+    # per_warp: the SM90 kernel quantizes Q itself (Q passed unquantized, no q scales); per_block: the prepass
+    assert calls[0][1].quantize_q and calls[0][2][0].dtype == torch.bfloat16 and calls[0][2][5] is None
+    qattn.flash_attn_func(q, k, v, causal=True, granularity="per_block")
+    assert not calls[1][1].quantize_q and calls[1][2][0].dtype == torch.int8
 
 
 def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):

@@ -56,6 +56,10 @@ class PrefillConfig:
     # "int8": SageAttention-style int8 Q / K with fp32 scales; "bf16": Q and K in V's 16-bit dtype, no
     # quantization (flash_attn_func(qk_quant=None), the A/B baseline of the same kernel)
     qk_dtype: str = "int8"
+    # True: Q arrives in V's 16-bit dtype and the kernel quantizes it itself (per_warp scales, the prepass's
+    # numerics bit for bit), so the prepass only handles K: one read of Q instead of a read, an int8 write and
+    # an int8 read
+    quantize_q: bool = False
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -79,6 +83,8 @@ class PrefillConfig:
             raise ValueError(f"qk_dtype: expected 'int8' or 'bf16', got {self.qk_dtype!r}")
         if self.qk_dtype == "bf16" and self.pv_dtype != "bf16":
             raise ValueError("pv_dtype: the unquantized QK path (qk_dtype 'bf16') runs P x V in V's dtype only")
+        if self.quantize_q and (self.qk_dtype != "int8" or self.granularity != "per_warp"):
+            raise ValueError("quantize_q: the kernel quantizes Q only for int8 QK with per_warp q scales")
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
@@ -91,6 +97,8 @@ class PrefillConfig:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
         pv = "pv_" + self.v_dtype if self.pv_dtype == "bf16" else "pv_fp8e4m3"
         qk = ("int8", "int8") if self.qk_dtype == "int8" else (self.v_dtype, self.v_dtype)
+        if self.quantize_q:  # Q arrives in V's dtype
+            qk = (self.v_dtype, "int8")
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
-                self.tile_n)
+                self.tile_n, "quantize_q" if self.quantize_q else "q_int8")

@@ -4,9 +4,10 @@ softmax, bf16/fp16 P x V on wgmma with P straight from registers (issue 5, v0).
 One CTA = one query tile of one (batch, head), 64 rows per MMA warpgroup: 128 rows and 3 warpgroups, or (head_dim
 64, per_warp q scales, 16-bit P x V; ``prefill_config.default_tile_m``) 192 rows and 4:
 
-* warpgroup 0, warp 0 is the producer: TMA loads of the Q tile (once), then K and V tiles of 128 keys into
-  ``kv_stages``-deep smem rings (two ``PipelineTmaAsync`` pipelines, one for K, one for V, so that the QK^T of
-  a tile can start before its V has landed). Its registers are given back (setmaxregister).
+* warpgroup 0, warp 0 is the producer: TMA loads of the Q tile (once; int8, or 16-bit with ``quantize_q``),
+  then K and V tiles of 128 keys into ``kv_stages``-deep smem rings (two ``PipelineTmaAsync`` pipelines, one
+  for K, one for V, so that the QK^T of a tile can start before its V has landed). Its registers are given
+  back (setmaxregister).
 * warpgroups 1, 2 (, 3) own query rows 0..63, 64..127 (, 128..191). Per K/V tile:
     S_int32 = wgmma(Q_int8, K_int8)         (SS, K-major both: the only form s8 wgmma has)
     S = float(S_int32) * (q_scale * k_scale * softmax_scale * log2 e)
@@ -37,7 +38,15 @@ the rescale; the epilogue multiplies by the V channel scale and divides by the (
 Softmax per tile (16-bit P x V): the int8 -> fp32 bias comes out inside the exp2's FFMA, max and sum are
 pairwise trees, and the running max moves (and O is rescaled, skipped warp by warp otherwise) only when a tile's
 max exceeds it by more than 2^8: H100 A/B, kernel only, CUDA graph, B2 H16: D128 S8K 1644.7 -> 1614.6 us, causal
-909.0 -> 862.5, S16K causal 3394.4 -> 3242.6, D64 S16K causal 2621.6 -> 2510.7.
+909.0 -> 862.5, S16K causal 3394.4 -> 3242.6, D64 S16K causal 2621.6 -> 2510.7. The row max is an integer tree
+over the biased scores' bits, three at a time (3-input IMNMX: 709 -> 679 SASS instructions per tile and warp at
+D128): D128 S8K 1630.1 / 1640.7 -> 1570.1 / 1570.0 us, D64 S8K 1089.1 -> 1068.1.
+
+``quantize_q`` (``flash_attn_func``'s path on SM90 with per_warp q scales): Q arrives in V's 16-bit dtype, the
+producer's TMA puts it in a staging tile and every MMA warp quantizes its own 16 rows (its q-scale group) into
+the int8 tile before the first Q K^T (``_quantize_q``, the prepass's numerics bit for bit), so the prepass
+handles K only. End to end, interleaved A/B (K prepass + this vs Q/K prepass + the int8-Q kernel): 0.94-0.98x
+the time, except D128 S16K (1.00x).
 
 Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid. Measured
 on an H100 (D128 S8K): Nsight Compute has the shared (tensor) pipe ~56 % busy, and the kernel's TFLOP/s are ~52 %
@@ -55,10 +64,14 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int8, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from qattn.cute_kernels.kv_insert import f32x4_to_e4m3x4
+from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_e4m3x4, mul_rn
+from qattn.cute_kernels.sm90.qk_int8_quant import FP32_MIN_NORMAL, INT8_MAX, div_rn
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 
 __all__ = ["QKInt8PrefillSm90"]
@@ -97,10 +110,51 @@ def _acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
                             stride=((d[0][0], d[0][1], d[0][2]), d[1], d[0][2] * 2))
 
 
-def _tree(vals: list, op):
-    """op-reduction of ``vals`` as a pairwise tree (traced: depth log2 n instead of a chain of n - 1)."""
+def _swizzled_byte_offset(layout: cute.ComposedLayout, row, col, elem_bytes: int):
+    """Byte offset of element (row, col) in a swizzled smem layout (the GMMA atoms' swizzle acts on byte
+    addresses whatever the element type: Swizzle<B, M, S> XORs bits [M+S, M+S+B) into bits [M, M+B))."""
+    off = cute.crd2idx((row, col), layout.outer) * elem_bytes
+    sw = layout.inner
+    return off ^ (((off >> (sw.num_base + sw.num_shift)) & ((1 << sw.num_bits) - 1)) << sw.num_base)
+
+
+@dsl_user_op
+def _max_u16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Lane-wise max of two pairs of unsigned 16-bit values."""
+    return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+                                  "max.u16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+                                  asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# q = rni(p) for |p| < 2^22 as the low byte of the bits of p + 1.5 * 2^23 (an exact integer add, round to even)
+_PTX_ROUND_S8X4 = (
+    "{\n\t.reg .f32 a, b, c, d;\n\t.reg .b32 t, u;\n\t"
+    "add.rn.f32 a, $1, 0f4B400000;\n\tadd.rn.f32 b, $2, 0f4B400000;\n\t"
+    "add.rn.f32 c, $3, 0f4B400000;\n\tadd.rn.f32 d, $4, 0f4B400000;\n\t"
+    "prmt.b32 t, a, b, 0x0040;\n\tprmt.b32 u, c, d, 0x0040;\n\tprmt.b32 $0, t, u, 0x5410;\n\t}"
+)
+
+
+@dsl_user_op
+def _round_s8x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
+    """Four fp32 values in (-127.5, 127.5) rounded to nearest even and packed as int8 (a in byte 0)."""
+    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+    return Uint32(llvm.inline_asm(T.i32(), ops, _PTX_ROUND_S8X4, "=r,f,f,f,f", has_side_effects=False,
+                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _f32_from_bits(x, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.inline_asm(T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                                   has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _tree(vals: list, op, arity: int = 2):
+    """op-reduction of ``vals`` as a tree (traced: depth log n instead of a chain of n - 1). ``arity`` 3 groups
+    op(op(a, b), c), which ptxas fuses into one 3-input instruction where one exists (integer min / max)."""
     while len(vals) > 1:
-        vals = [op(vals[k], vals[k + 1]) for k in range(0, len(vals) - 1, 2)] + ([vals[-1]] if len(vals) % 2 else [])
+        groups = [vals[k:k + arity] for k in range(0, len(vals), arity)]
+        vals = [g[0] if len(g) == 1 else (op(g[0], g[1]) if len(g) == 2 else op(op(g[0], g[1]), g[2])) for g in groups]
     return vals[0]
 
 
@@ -132,6 +186,9 @@ class QKInt8PrefillSm90:
         # int8 scores reach the softmax as float(S) + SCORE_BIAS, taken out in its FFMA; FP8 P x V subtracts it
         # per score first, as the CPU emulation of that path does (its E4M3 rounding of P is checked bit-close)
         self.score_bias = SCORE_BIAS if self.int8_qk and not self.fp8 else 0.0
+        # quantize_q: Q arrives in V's 16-bit dtype (TMA into a staging tile) and the MMA warps quantize it
+        self.quantize_q = cfg.quantize_q
+        self.q_dtype = self.v_dtype if self.quantize_q else self.qk_ab
 
     @property
     def key(self) -> tuple:
@@ -159,7 +216,7 @@ class QKInt8PrefillSm90:
         gmem = cute.AddressSpace.gmem
         # FlashAttention layouts, (batch, seqlen, heads, head_dim) contiguous; viewed (seqlen, dim, head, batch).
         q_row, k_row = num_heads * D, num_kv_heads * D
-        mQ = cute.make_tensor(cute.make_ptr(self.qk_ab, q_addr, gmem, assumed_align=16),
+        mQ = cute.make_tensor(cute.make_ptr(self.q_dtype, q_addr, gmem, assumed_align=16),
                               cute.make_layout((seqlen_q, D, num_heads, batch),
                                                stride=(q_row, 1, D, seqlen_q * q_row)))
         mK = cute.make_tensor(cute.make_ptr(self.qk_ab, k_addr, gmem, assumed_align=16),
@@ -196,15 +253,20 @@ class QKInt8PrefillSm90:
 
         sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.qk_ab, 1),
                                 (None, None, 0))
+        # what the Q TMA fills: the int8 tile itself, or (quantize_q) a 16-bit staging tile
+        sQin_layout = sQ_layout
+        if cutlass.const_expr(self.quantize_q):
+            sQin_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.q_dtype,
+                                                                    1), (None, None, 0))
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.qk_ab, ST)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR,
                                                   (TM, D, TN), pv_ab, ST)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TM, D))
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQin_layout, (TM, D))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (TN, D))
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, TN))
-        self.q_bytes = cute.size_in_bytes(self.qk_ab, sQ_layout)
+        self.q_bytes = cute.size_in_bytes(self.q_dtype, sQin_layout)
         self.k_bytes = cute.size_in_bytes(self.qk_ab, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(pv_ab, cute.slice_(sV_layout, (None, None, 0)))
 
@@ -217,10 +279,20 @@ class QKInt8PrefillSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class SharedStorageQin:  # quantize_q: plus the 16-bit Q staging tile
+            q_mbar: cute.struct.MemRange[Int64, 2]
+            k_mbar: cute.struct.MemRange[Int64, ST * 2]
+            v_mbar: cute.struct.MemRange[Int64, ST * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
+            sQin: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(sQin_layout)], 1024]
+
+        self.shared_storage = SharedStorageQin if self.quantize_q else SharedStorage
         num_m_blocks = (max_seqlen_q + TM - 1) // TM
         args = (mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-                o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
         if cutlass.const_expr(self.fp8):
             launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr)
@@ -237,13 +309,13 @@ class QKInt8PrefillSm90:
         tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
+        sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-                   o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                   sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None)
 
     @cute.kernel
@@ -253,19 +325,19 @@ class QKInt8PrefillSm90:
         tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
         tma_v: cute.CopyAtom, tV: cute.Tensor,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
+        sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         mma_pv0: cute.TiledMma, v_scale_addr: Int64,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-                   o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
+                   sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr)
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
-              o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
+              sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
               num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
@@ -303,6 +375,14 @@ class QKInt8PrefillSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQin, q_words = sQ, None
+        if cutlass.const_expr(self.quantize_q):
+            sQin = storage.sQin.get_tensor(sQin_layout.outer, swizzle=sQin_layout.inner)
+            # 32-bit word views of the staging tile and of the int8 tile (offsets from the layouts, ``_quantize_q``)
+            q_words = (cute.make_tensor(cute.recast_ptr(storage.sQin.data_ptr(), dtype=Uint32),
+                                        cute.make_layout(cute.cosize(sQin_layout) // 2)),  # 16-bit elements
+                       cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Uint32),
+                                        cute.make_layout(cute.cosize(sQ_layout) // 4)))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
@@ -334,7 +414,7 @@ class QKInt8PrefillSm90:
                 gQ = cute.local_tile(q_rows, (TM, D), (m_block, 0))
                 gK = cute.local_tile(k_rows, (TN, D), (None, 0))
                 gV = cute.local_tile(v_cols, (D, TN), (0, None))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQin, 0, 2),
                                                  cute.group_modes(gQ, 0, 2))
                 tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                                  cute.group_modes(gK, 0, 2))
@@ -357,13 +437,14 @@ class QKInt8PrefillSm90:
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
-                          scale_log2, mma_pv0, v_scale_addr)
+                          scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
-                 num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr):
+                 num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr, q_words,
+                 sQin_layout, sQ_layout):
         """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
         in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
@@ -410,17 +491,20 @@ class QKInt8PrefillSm90:
         qs_log2 = scale_log2
         mKS = None
         ks_base = Int32(0)
+        q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_pipe.consumer_wait(q_cons)
         if cutlass.const_expr(self.int8_qk):
-            q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
-                                       cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
+            if cutlass.const_expr(self.quantize_q):
+                q_scale = self._quantize_q(q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q)
+            else:
+                q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
+                                           cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
             mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),
                                    cute.make_layout(1 << 30))
             ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
             qs_log2 = q_scale * scale_log2
         diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
 
-        q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_pipe.consumer_wait(q_cons)
         # The fp32 scores live in the registers of the int32 accumulator (converted in place): the next QK^T
         # overwrites them only after P has been taken out of them.
         s = cute.recast_tensor(acc_s, Float32)
@@ -525,6 +609,53 @@ class QKInt8PrefillSm90:
                 inv = inv * mVS[vs_base + c]
             if row < seqlen_q:
                 mO[row, c] = (acc_o[i] * inv).to(vdt)
+
+    # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _quantize_q(self, q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q) -> Float32:
+        """``quantize_q``: quantize this warp's 16 query rows (its per_warp q-scale group = the rows of its wgmma
+        accumulator) from the 16-bit staging tile into the int8 Q tile, and return the group's scale.
+
+        The prepass's numerics bit for bit (``qk_int8_quant``): amax over the group's rows that exist in the
+        sequence, ``s = amax / 127`` (div.rn), ``inv = 1 / s`` for a normal ``s`` (else 0), ``q = rni(x * inv)``
+        with the product rounded first. The rounding is ``x * inv + 1.5 * 2^23`` (the add rounds to an integer,
+        whose low byte is q in two's complement, since |x * inv| <= 127 * (1 + 2^-22)), so no quarter-rate
+        float -> int conversion and no clamp (never active). amax on the packed 16-bit magnitudes (their bits
+        order like the values). Two lanes per row, 16-byte chunks ``2i + lane % 2``; offsets come from the two
+        swizzled layouts. wgmma reads shared memory through the async proxy: a proxy fence, then the
+        warpgroup's named barrier."""
+        D, TM = self.D, self.cfg.tile_m
+        q_in, q_out = q_words
+        lane = ctid % 32
+        r = (ctid // 32) * 16 + lane // 2  # row in the tile
+        half = lane % 2
+        n_chunks = D // 16  # 16-byte chunks (8 values) of the row per lane
+        rX = cute.make_rmem_tensor((4, n_chunks), Uint32)
+        rX.fill(Uint32(0))
+        if m_block * TM + r < seqlen_q:  # rows past the sequence (varlen: the next one's) are not in the group
+            for i in cutlass.range_constexpr(n_chunks):
+                w0 = _swizzled_byte_offset(sQin_layout, r, (2 * i + half) * 8, 2) // 4
+                for j in cutlass.range_constexpr(4):
+                    rX[j, i] = q_in[w0 + j]
+        mag = Uint32(0)
+        for i in cutlass.range_constexpr(n_chunks):
+            for j in cutlass.range_constexpr(4):
+                mag = _max_u16x2(mag, rX[j, i] & Uint32(0x7FFF7FFF))
+        mag = cute.arch.warp_reduction(mag, _max_u16x2)  # the warp's 16 rows
+        widen = bf16x2_to_f32x2 if self.v_dtype is BFloat16 else fp4.f16x2_to_f32x2
+        lo, hi = widen(mag)
+        q_scale = div_rn(cute.arch.fmax(lo, hi), Float32(INT8_MAX))
+        inv = Float32(0.0)
+        if q_scale >= Float32(FP32_MIN_NORMAL):
+            inv = fp4.rcp_rn(q_scale)
+        for i in cutlass.range_constexpr(n_chunks):
+            p = [mul_rn(x, inv) for j in (0, 1, 2, 3) for x in widen(rX[j, i])]
+            w0 = _swizzled_byte_offset(sQ_layout, r, (2 * i + half) * 8, 1) // 4
+            q_out[w0] = _round_s8x4(p[0], p[1], p[2], p[3])
+            q_out[w0 + 1] = _round_s8x4(p[4], p[5], p[6], p[7])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1 + self.nw + ctid // 128, number_of_threads=128)
+        return q_scale
 
     # ----------------------------------------------------------------------------------------------
     # Ping-pong (FA3): the warpgroups alternate issuing their wgmmas, so one runs its softmax while the other's
@@ -647,16 +778,24 @@ class QKInt8PrefillSm90:
         domain) / sum updated; ``corr`` gets the factor exp2(old max - new max) that the caller applies to O.
         16-bit P x V keeps the old max unless the tile's exceeds it by more than LAZY_RESCALE_LOG2 (then corr is
         exactly 1 and the caller skips the O rescale); FP8 P x V (P scaled to E4M3's top) always moves it. Max
-        and sum are pairwise trees (short dependency chains). A quad of lanes shares each row."""
+        and sum are trees (short dependency chains; the 16-bit P x V max an integer one, see below). A quad of
+        lanes shares each row."""
         s_mn = cute.make_tensor(s.iterator, s_rc)
+        bits_mn = cute.make_tensor(cute.recast_tensor(s, Int32).iterator, s_rc)
         bias = Float32(self.score_bias)
         # A zero scale (an all-zero q group or k block: all its scores are exactly 0) would turn masked -inf
         # scores into NaN; the smallest normal float keeps 0 -> 0 and -inf -> -inf.
         scale = cute.arch.fmax(scale, Float32(1.1754943508222875e-38))
         ncol = cute.size(s_rc, mode=[1])
         for i in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-            mx = _tree([s_mn[i, j] for j in range(ncol)], cute.arch.fmax)
-            mx = cute.arch.warp_reduction(mx, cute.arch.fmax, threads_in_group=4)
+            if cutlass.const_expr(self.score_bias != 0.0):
+                # biased scores are floats in [2^23, 2^24) or -inf (masked): their bits order like the values
+                # as int32 (-inf's are negative), and an integer max tree lets ptxas use 3-input IMNMX
+                mb = _tree([bits_mn[i, j] for j in range(ncol)], cutlass.max, arity=3)
+                mx = _f32_from_bits(cute.arch.warp_reduction(mb, cutlass.max, threads_in_group=4))
+            else:
+                mx = _tree([s_mn[i, j] for j in range(ncol)], cute.arch.fmax)
+                mx = cute.arch.warp_reduction(mx, cute.arch.fmax, threads_in_group=4)
             m_tile = (mx - bias) * scale  # exact subtract: both in [2^23, 2^24) (or -inf)
             m_new = cute.arch.fmax(row_max[i], m_tile)
             if cutlass.const_expr(not self.fp8):

@@ -47,7 +47,7 @@ __all__ = ["QKInt8Quant", "make_quant_compile_args", "quant_placeholder_args", "
 KIND = "qk_int8_quant"
 
 INT8_MAX = 127.0
-_FP32_MIN_NORMAL = 2.0**-126
+FP32_MIN_NORMAL = 2.0**-126
 _MAX_THREADS = 1024
 _TARGET_TILE_ROWS = 128  # rows per CTA: 128 x 16-bit x head_dim 128 = 32 KB in flight per CTA
 
@@ -256,7 +256,7 @@ class QKInt8Quant:
         if tidx < self.groups_per_cta:
             s = div_rn(sAmax[tidx], Float32(INT8_MAX))
             inv = Float32(0.0)
-            if s >= Float32(_FP32_MIN_NORMAL):
+            if s >= Float32(FP32_MIN_NORMAL):
                 inv = fp4.rcp_rn(s)
             sInv[tidx] = inv
             g = tile * self.groups_per_cta + tidx
