@@ -109,6 +109,17 @@ def test_kmean_compiles(head_dim, in_bf16, varlen):
     assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)64\b") == 1
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kmean_finish_compiles(head_dim):
+    from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
+    from qattn.cute_kernels.sm90.qk_int8_kmean_finish import KMeanFinish, kmean_finish_placeholder_args
+
+    ptx = compile_for_arch(KMeanFinish(head_dim), *kmean_finish_placeholder_args(), arch="sm_90a", keep_ptx=True)[1]
+    _common(ptx)
+    assert ptx_count(ptx, r"\badd\.f64\b") >= 8  # the chunk loop, unrolled 8
+    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)64\b") == 1
+
+
 def test_compiles_for_sm100():
     _common(_quant_ptx(128, 16, arch="sm_100a")[1], "sm_100a")
     _common(_quant_ptx(128, 128, True, True, arch="sm_100a")[1], "sm_100a")
@@ -135,7 +146,8 @@ def test_config_errors_and_keys():
 def test_registered_variants():
     from qattn.interface import variants
 
-    assert {"qk_int8_quant", "qk_int8_kmean"} <= set(variants.kinds())
+    assert {"qk_int8_quant", "qk_int8_kmean", "qk_int8_kmean_finish"} <= set(variants.kinds())
+    assert len(variants.enumerate_variants("qk_int8_kmean_finish", "sm_90a", head_dims=[64, 128, 96])) == 2
     vq = variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
     vk = variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[128, 96])
     assert len(vq) == 12 and len(vk) == 4

@@ -332,3 +332,35 @@ if __name__ == "__main__":  # a small case for compute-sanitizer
     _check_varlen(qv, kv, _cu(lq), _cu(lk), 33, 17, quantize_qk_int8_varlen(qv, kv, _cu(lq), _cu(lk), 33, 17))
     torch.cuda.synchronize()
     print("ok")
+
+
+# ------------------------------------------------------------------------------------------------
+# K only (flash_attn_func's prepass on SM90, whose attention kernel quantizes Q)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("smooth_k", [True, False])
+@pytest.mark.parametrize("sk,hkv,head_dim", [(300, 2, 128), (20000, 1, 64), (1, 3, 256)])
+def test_k_only_equals_the_k_half(sk, hkv, head_dim, smooth_k):
+    gen = torch.Generator().manual_seed(sk + head_dim)
+    q = _rand((2, 40, hkv, head_dim), torch.bfloat16, gen)
+    k = _rand((2, sk, hkv, head_dim), torch.bfloat16, gen, outliers=True, bias=5.0)
+    want = quantize_qk_int8(q, k, smooth_k=smooth_k)
+    got = launch.quantize_k_int8(k, smooth_k=smooth_k)
+    _assert_int8_equal(got[0], want[2].cpu(), "k_int8")
+    _assert_bits_equal(got[1], want[3].cpu(), "k_scale")
+    if smooth_k:
+        _assert_bits_equal(got[2], want[4].cpu(), "k_mean")
+    else:
+        assert got[2] is None and want[4] is None
+
+
+def test_k_only_varlen_equals_the_k_half():
+    gen = torch.Generator().manual_seed(3)
+    lens = [300, 5, 0, 4000, 1]
+    k = _rand((sum(lens), 2, 128), torch.float16, gen, outliers=True, bias=3.0)
+    q = _rand((sum(lens), 2, 128), torch.float16, gen)
+    cu = _cu(lens)
+    want = quantize_qk_int8_varlen(q, k, cu, cu, 4000, 4000)
+    got = launch.quantize_k_int8_varlen(k, cu, 4000)
+    _assert_int8_equal(got[0], want[2].cpu(), "k_int8")
+    _assert_bits_equal(got[1], want[3].cpu(), "k_scale")
+    _assert_bits_equal(got[2], want[4].cpu(), "k_mean")
