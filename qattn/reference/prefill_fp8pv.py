@@ -6,8 +6,9 @@ Step by step what the kernel does, tile of 128 keys by tile, in fp64 except wher
    ``v_scale`` exactly as :func:`qattn.quant.v_fp8.quantize_v_fp8_reference`.
 2. Integer scores (exact); per row and tile the log2-domain scale ``fp32(fp32(q_scale * scale_log2) * k_scale)``
    (``scale_log2 = fp32(softmax_scale * log2 e)``), the running max ``m`` of ``fp32(max_int * scale)``.
-3. ``P' = 448 * P = exp2(s * scale - (m - log2 448))`` rounded to fp32 (the kernel's ``ex2.approx`` is within
-   2 ulp of it), then to E4M3 (RNE, saturating: ``e4m3_encode``); the row sum adds the fp32 ``P'`` (not the
+3. ``P' = 448 * P = exp2(fp32((s + B) * scale - fp32(B * scale + fp32(m - log2 448))))`` (``B = 1.5 * 2^23``:
+   the kernel's scores arrive biased and the bias comes out in one FMA) rounded to fp32 (the kernel's
+   ``ex2.approx`` is within 2 ulp of it), then to E4M3 (RNE, saturating: ``e4m3_encode``); the row sum adds the fp32 ``P'`` (not the
    rounded ones), rescaled by ``corr = exp2(m_old - m_new)`` like O.
 4. O = sum over tiles of (E4M3 P') x (E4M3 V codes), exact products, fp64 sums (the kernel: one fresh fp32
    wgmma accumulator per tile, added to the running fp32 O).
@@ -34,6 +35,7 @@ __all__ = ["prefill_fp8pv_emulation", "P_FP8_SCALE"]
 
 P_FP8_SCALE = 448.0
 _TILE = 128
+_SCORE_BIAS = 12582912.0  # 1.5 * 2^23: the int8 kernel turns int32 scores into fp32 by adding it to the bits
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,11 @@ def prefill_fp8pv_emulation(
         m_use = torch.where(torch.isinf(m_new) & (m_new < 0), torch.zeros_like(m_new), m_new)
         corr = _f32(torch.exp2(row_max - m_use))
         m_off = _f32(m_use - L)
-        p = _f32(torch.exp2(x * scale[..., None] - m_off[..., None]))
+        # the kernel's arithmetic: scores arrive as fp32 x + 1.5 * 2^23 (exact), the offset is one FMA
+        # fp32(bias * scale + m_off), and the bias comes out inside the exp2 argument's FMA (fp64 products of
+        # fp32 values are exact here; one rounding to fp32 each)
+        off = _f32(_SCORE_BIAS * scale + m_off)
+        p = _f32(torch.exp2(_f32((x + _SCORE_BIAS) * scale[..., None] - off[..., None])))
         p = torch.where(vis, p, torch.zeros_like(p))
         p8 = e4m3_decode(e4m3_encode(p.float())).double()
         row_sum = row_sum * corr + p.sum(dim=-1)

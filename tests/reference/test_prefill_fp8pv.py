@@ -76,12 +76,14 @@ def test_fp8pv_format_error(case):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_emulation_lse_and_masks(causal):
-    # ragged tiles, Sq != Sk, GQA; the LSE only sees the INT8 scores (the row sum adds the unrounded fp32 P)
+    # ragged tiles, Sq != Sk, GQA; the LSE only sees the INT8 scores (the row sum adds the unrounded fp32 P) and
+    # the kernel's fp32 exp2 argument: the score bias comes out in an FMA with the rounded offset
+    # fp32(1.5 * 2^23 * scale) + max, off by up to ~ulp(1.5 * 2^23 * scale) (~1e-4 here) from the exact argument
     q, k, v = fp8pv_inputs(2, 77, 333, 4, 2, 64, torch.bfloat16, seed=3)
     o, lse = prefill_fp8pv_emulation(q, k, v, causal=causal, return_lse=True)
     ref, ref_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", return_lse=True)
     assert o.dtype == torch.bfloat16 and o.shape == q.shape
-    assert torch.allclose(lse, ref_lse, atol=1e-5, rtol=0)
+    assert torch.allclose(lse, ref_lse, atol=5e-4, rtol=0)
     assert _cos(o, ref) > 0.999
 
 

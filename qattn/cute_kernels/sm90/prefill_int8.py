@@ -183,9 +183,9 @@ class QKInt8PrefillSm90:
         self.int8_qk = cfg.qk_dtype == "int8"
         self.qk_ab = Int8 if self.int8_qk else self.v_dtype
         self.qk_acc = Int32 if self.int8_qk else Float32
-        # int8 scores reach the softmax as float(S) + SCORE_BIAS, taken out in its FFMA; FP8 P x V subtracts it
-        # per score first, as the CPU emulation of that path does (its E4M3 rounding of P is checked bit-close)
-        self.score_bias = SCORE_BIAS if self.int8_qk and not self.fp8 else 0.0
+        # int8 scores reach the softmax as float(S) + SCORE_BIAS, taken out in its FFMA (the FP8 P x V CPU
+        # emulation, qattn.reference.prefill_fp8pv, does the same arithmetic)
+        self.score_bias = SCORE_BIAS if self.int8_qk else 0.0
         # quantize_q: Q arrives in V's 16-bit dtype (TMA into a staging tile) and the MMA warps quantize it
         self.quantize_q = cfg.quantize_q
         self.q_dtype = self.v_dtype if self.quantize_q else self.qk_ab
@@ -545,15 +545,19 @@ class QKInt8PrefillSm90:
             warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
             v_pipe.consumer_release(st_prev)
             o_mn = cute.make_tensor(acc_o.iterator, o_rc)
+            # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
+            stale = corr[0] != Float32(1.0)
+            for i in cutlass.range_constexpr(1, n_rows):
+                stale = stale | (corr[i] != Float32(1.0))
             if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
                 t_mn = cute.make_tensor(acc_t.iterator, o_rc)
-                for i in cutlass.range_constexpr(n_rows):
-                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
-            else:  # lazy rescale: most tiles leave every row's max (and O) alone; skip them warp by warp
-                stale = corr[0] != Float32(1.0)
-                for i in cutlass.range_constexpr(1, n_rows):
-                    stale = stale | (corr[i] != Float32(1.0))
+                if cute.arch.vote_any_sync(stale):
+                    for i in cutlass.range_constexpr(n_rows):
+                        for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                            o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
+                else:
+                    acc_o.store(acc_o.load() + acc_t.load())
+            else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
                 if cute.arch.vote_any_sync(stale):
                     for i in cutlass.range_constexpr(n_rows):
                         for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
@@ -746,13 +750,10 @@ class QKInt8PrefillSm90:
         int32 -> fp32 without I2F (a quarter-rate conversion on SM90, as costly as the exp2 of softmax): for
         |x| < 2^22, the bits of x + 0x4B400000 are the float SCORE_BIAS + x (SCORE_BIAS = 1.5 * 2^23), exactly,
         so one integer add gives a biased float; the bias is taken out in the softmax's FFMA (no subtract per
-        score), or (FP8 P x V) by an exact float subtract here. |S| <= 127 * 127 * head_dim <= 2^21 for
-        head_dim <= 128."""
+        score). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128."""
         cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
         if cutlass.const_expr(self.int8_qk):  # the bf16 QK path's accumulator is fp32 already (bias 0)
             acc_s.store(acc_s.load() + Int32(0x4B400000))
-            if cutlass.const_expr(self.score_bias == 0.0):
-                s.store(s.load() - Float32(SCORE_BIAS))
         # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
         # to its first row
         first_row_end = seqlen_k
