@@ -75,6 +75,11 @@ def _prefill(g) -> None:
         err = float((out.double() - ref).abs().max() / ref.abs().max())
         assert err < 1e-2, ("prefill", causal, err)
         print(f"prefill int8-QK causal={causal}: max rel err {err:.2e}")
+    for D in (64, 128):  # Q quantized in the kernel (per_warp), FP8 P.V, both tile heights; and the Q prepass
+        qd, kd, vd = (t[..., :D].contiguous() for t in (q, k, v))
+        for kw in (dict(pv_dtype="fp8"), dict(granularity="per_block")):
+            assert torch.isfinite(qattn.flash_attn_func(qd, kd, vd, causal=True, **kw)).all()
+    print("prefill fp8 P.V / per_block ran")
     lens = [1, 150, 70]
     cu = torch.tensor([0, 1, 151, 221], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(221, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 1, 1))
