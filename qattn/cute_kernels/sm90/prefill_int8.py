@@ -35,12 +35,15 @@ lanes, the prepass stores the keys of every 32-key group in the order in which a
 Two-level accumulation: each tile's P x V goes into a fresh fp32 accumulator, added to the running O (fp32) at
 the rescale; the epilogue multiplies by the V channel scale and divides by the (448-scaled) row sum.
 
-Softmax per tile (16-bit P x V): the int8 -> fp32 bias comes out inside the exp2's FFMA, max and sum are
-pairwise trees, and the running max moves (and O is rescaled, skipped warp by warp otherwise) only when a tile's
-max exceeds it by more than 2^8: H100 A/B, kernel only, CUDA graph, B2 H16: D128 S8K 1644.7 -> 1614.6 us, causal
-909.0 -> 862.5, S16K causal 3394.4 -> 3242.6, D64 S16K causal 2621.6 -> 2510.7. The row max is an integer tree
-over the biased scores' bits, three at a time (3-input IMNMX: 709 -> 679 SASS instructions per tile and warp at
-D128): D128 S8K 1630.1 / 1640.7 -> 1570.1 / 1570.0 us, D64 S8K 1089.1 -> 1068.1.
+Softmax per tile: the int8 -> fp32 bias comes out inside the exp2's FFMA, the row max is an integer tree over
+the biased scores' bits, three at a time (3-input IMNMX), the row sum a pairwise tree; with 16-bit P x V the
+running max moves (and O is rescaled, skipped warp by warp otherwise) only when a tile's max exceeds it by more
+than 2^8; with FP8 P x V it always moves, and a tile's P x V is added to O without the rescale multiply when no
+row's max moved. H100 A/B, kernel only, CUDA graph, B2 H16: bias in the FFMA + trees + lazy rescale, D128 S8K
+1644.7 -> 1614.6 us, causal 909.0 -> 862.5, S16K causal 3394.4 -> 3242.6, D64 S16K causal 2621.6 -> 2510.7; the
+integer max (709 -> 679 SASS instructions per tile and warp at D128), D128 S8K 1630.1 / 1640.7 -> 1570.1 /
+1570.0 us, D64 S8K 1089.1 -> 1068.1; FP8 P x V with all three, D128 S8K 1601.7 -> 1513.1, D64 S8K 1275.7 ->
+1177.9.
 
 ``quantize_q`` (``flash_attn_func``'s path on SM90 with per_warp q scales): Q arrives in V's 16-bit dtype, the
 producer's TMA puts it in a staging tile and every MMA warp quantizes its own 16 rows (its q-scale group) into
