@@ -273,6 +273,9 @@ class QKInt8PrefillSm90:
         self.k_bytes = cute.size_in_bytes(self.qk_ab, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(pv_ab, cute.slice_(sV_layout, (None, None, 0)))
 
+        # quantize_q: the 16-bit Q staging tile (otherwise a placeholder of 128 bytes, never touched)
+        sQin_size = cute.cosize(sQin_layout) if self.quantize_q else 128
+
         @cute.struct
         class SharedStorage:
             q_mbar: cute.struct.MemRange[Int64, 2]
@@ -281,18 +284,9 @@ class QKInt8PrefillSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
+            sQin: cute.struct.Align[cute.struct.MemRange[self.q_dtype, sQin_size], 1024]
 
-        @cute.struct
-        class SharedStorageQin:  # quantize_q: plus the 16-bit Q staging tile
-            q_mbar: cute.struct.MemRange[Int64, 2]
-            k_mbar: cute.struct.MemRange[Int64, ST * 2]
-            v_mbar: cute.struct.MemRange[Int64, ST * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
-            sQin: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(sQin_layout)], 1024]
-
-        self.shared_storage = SharedStorageQin if self.quantize_q else SharedStorage
+        self.shared_storage = SharedStorage
         num_m_blocks = (max_seqlen_q + TM - 1) // TM
         args = (mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                 sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
