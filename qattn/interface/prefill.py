@@ -412,6 +412,8 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     if _kernel_quantizes_q(q, granularity):
         q8, qs = q, None
         _check_q_k(q, k)
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
         k8, ks, _ = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K)
     else:
         q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
