@@ -83,5 +83,6 @@ def _import_families() -> None:
     from ..cute_kernels import fp4_rows  # noqa: F401
     from ..cute_kernels import kv_flatten, kv_insert  # noqa: F401
     from ..cute_kernels import combine  # noqa: F401
-    from ..cute_kernels.sm90 import decode, qk_int8_kmean, qk_int8_kmean_finish, qk_int8_quant, v_fp8_quant  # noqa: F401
+    from ..cute_kernels.sm90 import chunk_reduce  # noqa: F401
+    from ..cute_kernels.sm90 import decode, qk_int8_kmean, qk_int8_quant, v_fp8_quant  # noqa: F401
     from . import prefill  # noqa: F401

@@ -8,7 +8,7 @@ reference's bit for bit; the K bytes are those the reference gives for the kerne
 Launches (all on torch's current stream, no host synchronisation, so CUDA-graph capturable once compiled):
 
 1. ``smooth_k`` only: :class:`~qattn.cute_kernels.sm90.qk_int8_kmean.KMeanPartial`, fp64 column sums of K per
-   chunk of rows (first read of K), then :class:`~qattn.cute_kernels.sm90.qk_int8_kmean_finish.KMeanFinish`, their
+   chunk of rows (first read of K), then :class:`~qattn.cute_kernels.sm90.chunk_reduce.ChunkReduce`, their
    totals in chunk order.
 2. :class:`~qattn.cute_kernels.sm90.qk_int8_quant.QKInt8Quant` on K (groups of ``block_k`` rows; with smoothing
    it finishes the mean, writes ``k_mean`` and quantizes ``k - mean``; second read of K).
@@ -31,7 +31,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128, 256)
 _MAX_GRID_YZ = 65535
 _MAX_I32 = 2**31 - 1
-_MAX_K_CHUNKS = 64  # partial sums per (sequence, head) column, added up once by KMeanFinish
+_MAX_K_CHUNKS = 64  # partial sums per (sequence, head) column, added up once by ChunkReduce
 _MIN_CHUNK_ROWS = 256
 _NUM_SMS: dict = {}
 
@@ -110,10 +110,10 @@ def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subt
     return cfg, m.compiled_quant(cfg, arch)
 
 
-def _kmean_finish_kernel(arch: str, head_dim: int):
-    from ..cute_kernels.sm90 import qk_int8_kmean_finish as m
+def _chunk_reduce_kernel(arch: str, head_dim: int, op: str):
+    from ..cute_kernels.sm90 import chunk_reduce as m
 
-    return m.compiled_kmean_finish(m.KMeanFinish(head_dim), arch)
+    return m.compiled_chunk_reduce(m.ChunkReduce(head_dim, op), arch)
 
 
 def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool):
@@ -180,7 +180,8 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                             *strides(k), stream)
                 if num_chunks > 1:  # one total per column, so the quantize kernel reads one value, not them all
                     total = _alloc((batch, Hkv, 1, D), torch.float64, dev)
-                    fast(_kmean_finish_kernel(arch, D))(addr(partial), addr(total), batch, Hkv, num_chunks, stream)
+                    fast(_chunk_reduce_kernel(arch, D, "sum_f64"))(addr(partial), addr(total), batch, Hkv,
+                                                                  num_chunks, stream)
                     partial, num_chunks = total, 1
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
             fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), batch,

@@ -110,14 +110,19 @@ def test_kmean_compiles(head_dim, in_bf16, varlen):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_kmean_finish_compiles(head_dim):
+@pytest.mark.parametrize("op", ["sum_f64", "max_f32"])
+def test_chunk_reduce_compiles(head_dim, op):
     from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
-    from qattn.cute_kernels.sm90.qk_int8_kmean_finish import KMeanFinish, kmean_finish_placeholder_args
+    from qattn.cute_kernels.sm90.chunk_reduce import ChunkReduce, chunk_reduce_placeholder_args
 
-    ptx = compile_for_arch(KMeanFinish(head_dim), *kmean_finish_placeholder_args(), arch="sm_90a", keep_ptx=True)[1]
+    ptx = compile_for_arch(ChunkReduce(head_dim, op), *chunk_reduce_placeholder_args(), arch="sm_90a",
+                           keep_ptx=True)[1]
     _common(ptx)
-    assert ptx_count(ptx, r"\badd\.f64\b") >= 8  # the chunk loop, unrolled 8
-    assert ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)64\b") == 1
+    reduce, store = (r"\badd\.f64\b", r"(b|f)64") if op == "sum_f64" else (r"\bmax\.f32\b", r"(b|f)32")
+    assert ptx_count(ptx, reduce) >= 8  # the chunk loop, unrolled 8
+    assert ptx_count(ptx, rf"\bst\.global(\.\w+)*\.{store}\b") == 1
+    with pytest.raises(ValueError, match="op"):
+        ChunkReduce(head_dim, "min_f16")
 
 
 def test_compiles_for_sm100():
@@ -146,8 +151,8 @@ def test_config_errors_and_keys():
 def test_registered_variants():
     from qattn.interface import variants
 
-    assert {"qk_int8_quant", "qk_int8_kmean", "qk_int8_kmean_finish"} <= set(variants.kinds())
-    assert len(variants.enumerate_variants("qk_int8_kmean_finish", "sm_90a", head_dims=[64, 128, 96])) == 2
+    assert {"qk_int8_quant", "qk_int8_kmean", "chunk_reduce"} <= set(variants.kinds())
+    assert len(variants.enumerate_variants("chunk_reduce", "sm_90a", head_dims=[64, 128, 96])) == 4
     vq = variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
     vk = variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[128, 96])
     assert len(vq) == 12 and len(vk) == 4

@@ -79,7 +79,7 @@ def test_k_chunks():
     n, rows = launch._k_chunks(8192, 32, 64, 132)
     assert n * 32 >= 8 * 132 - 64 and rows % 64 == 0 and n * rows >= 8192 and (n - 1) * rows < 8192
     assert (n, rows) == (32, 256)
-    # short sequences: one chunk; long sequences with few heads: at most _MAX_K_CHUNKS (KMeanFinish adds them)
+    # short sequences: one chunk; long sequences with few heads: at most _MAX_K_CHUNKS (ChunkReduce adds them)
     assert launch._k_chunks(100, 1, 64, 132) == (1, 128)
     n, rows = launch._k_chunks(1 << 20, 1, 64, 132)
     assert n <= launch._MAX_K_CHUNKS == 64 and n * rows >= 1 << 20

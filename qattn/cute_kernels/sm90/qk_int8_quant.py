@@ -6,7 +6,7 @@ head_dim) with ``cu_seqlens`` -- to int8 in the contiguous (B, S, H, D) layout, 
 (:mod:`qattn.quant.launch`) maps the public granularities onto groups: Q per-warp groups are ``warp_q`` rows,
 Q per-block groups ``block_q`` rows, K groups ``block_k`` rows. With ``subtract_mean`` (K smoothing) the kernel
 first finishes the per-(sequence, head, channel) mean from the fp64 sums of :mod:`qk_int8_kmean` (the launcher
-passes one total per column, added up by :mod:`qk_int8_kmean_finish`; several partial sums are added in chunk
+passes one total per column, added up by :mod:`chunk_reduce`; several partial sums are added in chunk
 order; one RN fp64 division by the length, one RN conversion to fp32), writes it out, and quantizes
 ``x - mean`` (one RN fp32 subtraction).
 

@@ -10,11 +10,12 @@ Output format (the exact reference is :func:`qattn.quant.v_fp8.quantize_v_fp8_re
   ``16h + 8a + 2t + c`` (``key_permutation``), the order in which the attention kernel packs P into the 8-bit
   wgmma A fragments without moving bytes between lanes (see ``prefill_int8.QKInt8PrefillSm90._store_p``).
 
-Two launches on the stream (one read of V each):
+Launches on the stream (one read of V each for the first and the last):
 
 1. :class:`VAmaxPartial`, grid ``(num_chunks, Hkv, B)``: per chunk of tokens, per channel amax -> fp32
    ``partial`` (B, Hkv, num_chunks, D). A thread owns 8 channels (16-byte loads), rows ``rows_per_pass`` apart,
    combined over the CTA in shared memory (max is exact and order-free: deterministic).
+   :class:`~qattn.cute_kernels.sm90.chunk_reduce.ChunkReduce` then folds the chunks into one amax per channel.
 2. :class:`VFp8TransposeQuant`, grid ``(Sk_pad / 128, Hkv, B)``: the first ``D`` threads fold the partials into
    the channel's scale and inverse (the CTA of tile 0 writes ``v_scale``); the 128 x D tile is loaded with
    16-byte loads into shared memory (rows past Sk are zeros), then each thread produces 16 consecutive stored
