@@ -398,7 +398,7 @@ def flash_attn_func(
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                            pv_dtype: str, qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
-    from ..quant.launch import quantize_k_int8, quantize_qk_int8
+    from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
         _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
@@ -411,7 +411,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         _check_v(v)  # before any launch: head_dim 64 / 128
     if _kernel_quantizes_q(q, granularity):
         q8, qs = q, None
-        _check_q_k(q, k)
+        _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
         k8, ks, _ = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K)
@@ -474,7 +474,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                                   qk_quant: str = "int8"):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
-    from ..quant.launch import quantize_k_int8_varlen, quantize_qk_int8_varlen
+    from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
         _check_sm100_options(q.device, varlen=True)
@@ -483,9 +483,8 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     if _kernel_quantizes_q(q, granularity):
         q8, qs = q, None
-        _check_q_k(q, k)
-        if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.device != q.device:
-            raise ValueError(f"cu_seqlens_q: expected device {q.device}, got {cu_seqlens_q.device}")
+        _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
+        _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
         k8, ks, _ = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K)
     else:
         q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -499,15 +498,6 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 def _kernel_quantizes_q(q: torch.Tensor, granularity: str) -> bool:
     """SM90 with per_warp q scales: the attention kernel quantizes Q itself (``PrefillConfig.quantize_q``)."""
     return granularity == "per_warp" and q.is_cuda and _check_arch(q.device) == "sm_90a"
-
-
-def _check_q_k(q: torch.Tensor, k: torch.Tensor) -> None:
-    """What the Q/K prepass would have checked about the pair before any launch."""
-    if k.device != q.device:
-        raise ValueError(f"k: expected device {q.device} (that of q), got {k.device}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's head_dim {q.shape[-1]}")
-    _check_heads(q.shape[-1], q.shape[-2], k.shape[-2], "k")
 
 
 def _build_prefill(cfg: PrefillConfig, arch: str):

@@ -110,10 +110,20 @@ def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subt
     return cfg, m.compiled_quant(cfg, arch)
 
 
-def _chunk_reduce_kernel(arch: str, head_dim: int, op: str):
+def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[torch.Tensor, int]:
+    """(B, H, num_chunks, D) per-chunk partials -> ``(totals (B, H, 1, D), 1)`` by one ChunkReduce launch (the
+    ``partial`` itself when there is one chunk), so each CTA of the next kernel reads one value per column."""
     from ..cute_kernels.sm90 import chunk_reduce as m
 
-    return m.compiled_chunk_reduce(m.ChunkReduce(head_dim, op), arch)
+    B, H, num_chunks, D = partial.shape
+    if num_chunks == 1:
+        return partial, 1
+    total = _alloc((B, H, 1, D), partial.dtype, partial.device)
+    kern = m.compiled_chunk_reduce(m.ChunkReduce(D, op), arch)
+    from ..interface.fast_launch import fast
+
+    fast(kern)(partial.data_ptr(), total.data_ptr(), B, H, num_chunks, stream)
+    return total, 1
 
 
 def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool):
@@ -178,11 +188,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 partial = _alloc((batch, Hkv, num_chunks, D), torch.float64, dev)
                 fast(kmean)(addr(k), addr(partial), addr(cu_k), batch, seqlen_k, Hkv, num_chunks, chunk_rows,
                             *strides(k), stream)
-                if num_chunks > 1:  # one total per column, so the quantize kernel reads one value, not them all
-                    total = _alloc((batch, Hkv, 1, D), torch.float64, dev)
-                    fast(_chunk_reduce_kernel(arch, D, "sum_f64"))(addr(partial), addr(total), batch, Hkv,
-                                                                  num_chunks, stream)
-                    partial, num_chunks = total, 1
+                partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
             fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), batch,
                          seqlen_k, Hkv, k_scale.shape[2], num_chunks, *strides(k), stream)
@@ -253,11 +259,7 @@ def quantize_qk_int8(
     k_int8 = _alloc((B, Sk, Hkv, D), torch.int8, dev)
     q_scale = _alloc((B, Hq, nq), torch.float32, dev)
     k_scale = _alloc((B, Hkv, nk), torch.float32, dev)
-    k_mean = None
-    if smooth_k:
-        k_mean = _alloc((B, Hkv, D), torch.float32, dev)
-        if Sk == 0:
-            k_mean.zero_()  # an empty K has mean 0, as in the reference
+    k_mean = _k_mean_out(smooth_k, (B, Hkv, D), Sk, dev)
     if B == 0:
         return q_int8, q_scale, k_int8, k_scale, k_mean
     _launch_all(_kernel_view(q), _kernel_view(k), batch=B, seqlen_q=Sq, seqlen_k=Sk, cu_q=None, cu_k=None,
@@ -323,11 +325,7 @@ def quantize_qk_int8_varlen(
     k_int8 = _alloc(tuple(k.shape), torch.int8, dev)
     q_scale = _alloc((n, Hq, nq), torch.float32, dev)
     k_scale = _alloc((n, Hkv, nk), torch.float32, dev)
-    k_mean = None
-    if smooth_k:
-        k_mean = _alloc((n, Hkv, D), torch.float32, dev)
-        if Sk == 0:
-            k_mean.zero_()  # no K rows at all: every mean is 0
+    k_mean = _k_mean_out(smooth_k, (n, Hkv, D), Sk, dev)
     if n == 0:
         return q_int8, q_scale, k_int8, k_scale, k_mean
     _launch_all(_kernel_view(q), _kernel_view(k), batch=n, seqlen_q=Sq, seqlen_k=Sk,
@@ -405,6 +403,7 @@ def _check_k_only(k: torch.Tensor, block_k: int) -> None:
 
 
 def _k_mean_out(smooth_k: bool, shape: tuple, seqlen_k: int, dev) -> torch.Tensor | None:
+    """The ``k_mean`` output: None without smoothing; zeros for an empty K (as in the reference)."""
     if not smooth_k:
         return None
     k_mean = _alloc(shape, torch.float32, dev)

@@ -100,7 +100,7 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from ..cute_kernels.sm90 import v_fp8_quant as m
     from ..interface.fast_launch import fast
     from ..interface.variants import supported_arch
-    from .launch import _chunk_reduce_kernel, _k_chunks, _kernel_view, _num_sms, _strides
+    from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
 
     if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8
         from ..interface.torch_ops import quantize_v_fp8_traced
@@ -135,11 +135,7 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_chunks, chunk_rows = _k_chunks(Sk, B * H, acfg.rows_per_step, _num_sms(dev))
         partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
         fast(amax_k)(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, stream)
-        if num_chunks > 1:  # one amax per channel, so each transpose CTA reads one value, not them all
-            total = _alloc((B, H, 1, D), torch.float32, dev)
-            fast(_chunk_reduce_kernel(arch, D, "max_f32"))(partial.data_ptr(), total.data_ptr(), B, H, num_chunks,
-                                                           stream)
-            partial, num_chunks = total, 1
+        partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
         fast(tq)(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
                  sk_pad // V_TILE, sb, ss, sh, stream)
     return vt.view(torch.float8_e4m3fn), scale

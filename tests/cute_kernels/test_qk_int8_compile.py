@@ -129,6 +129,12 @@ def test_compiles_for_sm100():
     _common(_quant_ptx(128, 16, arch="sm_100a")[1], "sm_100a")
     _common(_quant_ptx(128, 128, True, True, arch="sm_100a")[1], "sm_100a")
     _common(_kmean_ptx(128, arch="sm_100a")[1], "sm_100a")
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+    from qattn.cute_kernels.sm90.chunk_reduce import ChunkReduce, chunk_reduce_placeholder_args
+
+    for op in ("sum_f64", "max_f32"):  # the K-mean totals run in SM100's prepass too
+        _common(compile_for_arch(ChunkReduce(128, op), *chunk_reduce_placeholder_args(), arch="sm_100a",
+                                 keep_ptx=True)[1], "sm_100a")
 
 
 def test_config_errors_and_keys():
