@@ -364,6 +364,7 @@ def flash_attn_func(
     smooth_k: bool = True,
     pv_dtype: str = "bf16",
     return_lse: bool = False,
+    balance_qk: bool = False,
 ):
     """FlashAttention's ``flash_attn_func`` with SageAttention-style INT8 Q/K: q (batch, seqlen_q, num_heads,
     head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
@@ -374,10 +375,14 @@ def flash_attn_func(
     attention kernel quantizes Q itself, with the same numerics (same output, less memory traffic). P x V runs
     in V's dtype with ``pv_dtype="bf16"`` (meaning "V's 16-bit dtype"), or in FP8 E4M3 with ``pv_dtype="fp8"``
     (then a third launch, the V prepass ``qattn.quant.v_fp8.quantize_v_fp8``: per-channel scaled E4M3 V^T).
+    ``balance_qk=True`` (off by default): power-of-two channel scales moved between Q and K before quantizing
+    (``Q K^T`` unchanged), for inputs with loud channels (``qattn.quant.qk_int8``); the full Q/K prepass then
+    runs (one more read of Q and K's column ranges; Q is not quantized in the attention kernel).
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
     """
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
+    _check_balance(balance_qk, qk_quant)
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
     if qk_quant is None and pv_dtype != "bf16":
@@ -388,15 +393,22 @@ def flash_attn_func(
         from .torch_ops import prefill_op
 
         out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype,
-                              qk_quant or "none")
+                              qk_quant or "none", balance_qk)
     else:
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                          pv_dtype, qk_quant or "none")
+                                          pv_dtype, qk_quant or "none", balance_qk)
     return (out, lse) if return_lse else out
 
 
+def _check_balance(balance_qk, qk_quant) -> None:
+    if not isinstance(balance_qk, bool):
+        raise TypeError(f"balance_qk: expected a bool, got {type(balance_qk).__name__}")
+    if balance_qk and qk_quant is None:
+        raise ValueError("balance_qk: balances the int8 quantization of Q and K; qk_quant=None quantizes nothing")
+
+
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                           pv_dtype: str, qk_quant: str = "int8"):
+                           pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
@@ -409,15 +421,15 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         from ..quant.v_fp8 import _check_v
 
         _check_v(v)  # before any launch: head_dim 64 / 128
-    if _kernel_quantizes_q(q, granularity):
+    if _kernel_quantizes_q(q, granularity) and not balance_qk:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
         k8, ks, _ = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K)
-    else:
-        q8, qs, k8, ks, _ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                             warp_q=WARP_Q, block_k=BLOCK_K)
+    else:  # (the attention kernel never sees qk_balance: Q K^T of the balanced Q and K is the same)
+        q8, qs, k8, ks, *_ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                              warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
@@ -444,13 +456,16 @@ def flash_attn_varlen_func(
     smooth_k: bool = True,
     pv_dtype: str = "bf16",
     return_lse: bool = False,
+    balance_qk: bool = False,
 ):
     """FlashAttention's ``flash_attn_varlen_func`` with INT8 Q/K: q (total_q, num_heads, head_dim), k and v
     (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
     (``qattn.quant.quantize_qk_int8_varlen``: groups never cross sequences, K smoothed per sequence) + kernel
-    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q)."""
+    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``balance_qk`` as in
+    :func:`flash_attn_func` (one balance per sequence)."""
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
+    _check_balance(balance_qk, qk_quant)
     if pv_dtype == "fp8":
         raise ValueError("pv_dtype: 'fp8' is not implemented for varlen prefill yet (dense flash_attn_func only)")
     if pv_dtype != "bf16":
@@ -462,17 +477,17 @@ def flash_attn_varlen_func(
 
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                     qk_quant or "none")
+                                     qk_quant or "none", balance_qk)
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                                 qk_quant or "none")
+                                                 qk_quant or "none", balance_qk)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                                  qk_quant: str = "int8"):
+                                  qk_quant: str = "int8", balance_qk: bool = False):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
@@ -481,15 +496,15 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
-    if _kernel_quantizes_q(q, granularity):
+    if _kernel_quantizes_q(q, granularity) and not balance_qk:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
         _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
         k8, ks, _ = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K)
     else:
-        q8, qs, k8, ks, _ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                    granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                                    warp_q=WARP_Q, block_k=BLOCK_K)
+        q8, qs, k8, ks, *_ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                                     warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                return_lse=True)

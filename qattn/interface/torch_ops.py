@@ -140,16 +140,18 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
 
 @torch.library.custom_op("qattn::prefill", mutates_args=())
 def prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-               granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+               granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str,
+               balance_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel; ``qk_quant`` "int8" or "none") as one op:
     returns (out, lse)."""
     from .prefill import _flash_attn_func_eager
 
-    return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant)
+    return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant,
+                                  balance_qk)
 
 
 @prefill_op.register_fake
-def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant):
+def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant, balance_qk=False):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -158,17 +160,17 @@ def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant)
 def prefill_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                       softmax_scale: float, granularity: str, smooth_k: bool,
-                      qk_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      qk_quant: str, balance_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_varlen_func`` as one op: returns (out (total_q, Hq, D), lse (Hq, total_q))."""
     from .prefill import _flash_attn_varlen_func_eager
 
     return _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, granularity, smooth_k, qk_quant)
+                                         softmax_scale, granularity, smooth_k, qk_quant, balance_qk)
 
 
 @prefill_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, granularity,
-      smooth_k, qk_quant):
+      smooth_k, qk_quant, balance_qk=False):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)
 
@@ -205,7 +207,8 @@ def flatten_kv_traced(cache: PagedKVCache, layer: int, block_table, cache_seqlen
 # --- the prefill prepass entry points (qattn.quant) ----------------------------------------------------------
 # A custom op cannot return None: without smooth_k the k_mean slot is an empty tensor, turned back into None by
 # the traced wrappers (the eager functions return None directly).
-_QK = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# The qk_balance slot (balance_qk) is an empty tensor when balancing is off.
+_QK = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _k_mean_out(k_mean: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -214,16 +217,16 @@ def _k_mean_out(k_mean: Optional[torch.Tensor], like: torch.Tensor) -> torch.Ten
 
 @torch.library.custom_op("qattn::quantize_qk_int8", mutates_args=())
 def quantize_qk_int8_op(q: torch.Tensor, k: torch.Tensor, granularity: str, smooth_k: bool, block_q: int,
-                        warp_q: int, block_k: int) -> _QK:
+                        warp_q: int, block_k: int, balance_qk: bool = False) -> _QK:
     from ..quant.launch import quantize_qk_int8
 
-    qi, qs, ki, ks, km = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                                          warp_q=warp_q, block_k=block_k)
-    return qi, qs, ki, ks, _k_mean_out(km, q)
+    qi, qs, ki, ks, km, *lam = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                                warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
+    return qi, qs, ki, ks, _k_mean_out(km, q), _k_mean_out(lam[0] if lam else None, q)
 
 
 @quantize_qk_int8_op.register_fake
-def _(q, k, granularity, smooth_k, block_q, warp_q, block_k):
+def _(q, k, granularity, smooth_k, block_q, warp_q, block_k, balance_qk=False):
     from ..quant.qk_int8 import _num_groups
 
     B, Sq, Hq, D = q.shape
@@ -232,29 +235,33 @@ def _(q, k, granularity, smooth_k, block_q, warp_q, block_k):
     return (q.new_empty(q.shape, dtype=torch.int8), q.new_empty((B, Hq, _num_groups(Sq, granularity, block_q,
                                                                                     warp_q)[1]), dtype=f32),
             k.new_empty(k.shape, dtype=torch.int8), k.new_empty((B, Hkv, -(-Sk // block_k)), dtype=f32),
-            k.new_empty((B, Hkv, D) if smooth_k else (0,), dtype=f32))
+            k.new_empty((B, Hkv, D) if smooth_k else (0,), dtype=f32),
+            k.new_empty((B, Hkv, D) if balance_qk else (0,), dtype=f32))
 
 
-def quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k):
-    qi, qs, ki, ks, km = torch.ops.qattn.quantize_qk_int8(q, k, granularity, smooth_k, block_q, warp_q, block_k)
-    return qi, qs, ki, ks, (km if smooth_k else None)
+def quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k, balance_qk=False):
+    qi, qs, ki, ks, km, lam = torch.ops.qattn.quantize_qk_int8(q, k, granularity, smooth_k, block_q, warp_q, block_k,
+                                                               balance_qk)
+    out = (qi, qs, ki, ks, (km if smooth_k else None))
+    return out + (lam,) if balance_qk else out
 
 
 @torch.library.custom_op("qattn::quantize_qk_int8_varlen", mutates_args=())
 def quantize_qk_int8_varlen_op(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, granularity: str,
-                               smooth_k: bool, block_q: int, warp_q: int, block_k: int) -> _QK:
+                               smooth_k: bool, block_q: int, warp_q: int, block_k: int,
+                               balance_qk: bool = False) -> _QK:
     from ..quant.launch import quantize_qk_int8_varlen
 
-    qi, qs, ki, ks, km = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                 granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                                                 warp_q=warp_q, block_k=block_k)
-    return qi, qs, ki, ks, _k_mean_out(km, q)
+    qi, qs, ki, ks, km, *lam = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                       granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                                       warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
+    return qi, qs, ki, ks, _k_mean_out(km, q), _k_mean_out(lam[0] if lam else None, q)
 
 
 @quantize_qk_int8_varlen_op.register_fake
 def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity, smooth_k, block_q, warp_q,
-      block_k):
+      block_k, balance_qk=False):
     from ..quant.qk_int8 import _num_groups
 
     n = cu_seqlens_q.shape[0] - 1
@@ -263,15 +270,17 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity,
     return (q.new_empty(q.shape, dtype=torch.int8),
             q.new_empty((n, Hq, _num_groups(max_seqlen_q, granularity, block_q, warp_q)[1]), dtype=f32),
             k.new_empty(k.shape, dtype=torch.int8), k.new_empty((n, Hkv, -(-max_seqlen_k // block_k)), dtype=f32),
-            k.new_empty((n, Hkv, D) if smooth_k else (0,), dtype=f32))
+            k.new_empty((n, Hkv, D) if smooth_k else (0,), dtype=f32),
+            k.new_empty((n, Hkv, D) if balance_qk else (0,), dtype=f32))
 
 
 def quantize_qk_int8_varlen_traced(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity,
-                                   smooth_k, block_q, warp_q, block_k):
-    qi, qs, ki, ks, km = torch.ops.qattn.quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                                  int(max_seqlen_k), granularity, smooth_k, block_q,
-                                                                  warp_q, block_k)
-    return qi, qs, ki, ks, (km if smooth_k else None)
+                                   smooth_k, block_q, warp_q, block_k, balance_qk=False):
+    qi, qs, ki, ks, km, lam = torch.ops.qattn.quantize_qk_int8_varlen(
+        q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), granularity, smooth_k, block_q,
+        warp_q, block_k, balance_qk)
+    out = (qi, qs, ki, ks, (km if smooth_k else None))
+    return out + (lam,) if balance_qk else out
 
 
 @torch.library.custom_op("qattn::quantize_v_fp8", mutates_args=())

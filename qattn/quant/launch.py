@@ -14,6 +14,12 @@ Launches (all on torch's current stream, no host synchronisation, so CUDA-graph 
    it finishes the mean, writes ``k_mean`` and quantizes ``k - mean``; second read of K).
 3. The same kernel on Q (groups of ``warp_q`` or ``block_q`` rows; one read of Q).
 
+With ``balance_qk`` (channel balancing, :mod:`qattn.quant.qk_int8`): launch 1 also takes the column max / min of
+K (``stats="sum_range"``, or ``"range"`` without smoothing; their totals by a second ChunkReduce), a
+``KMeanPartial(stats="absmax")`` launch + ChunkReduce take the column amax of Q (one more read of Q), launch 2
+derives and writes ``qk_balance`` and quantizes ``(k - mean) / qk_balance``, launch 3 quantizes
+``q * qk_balance``.
+
 Inputs: bf16 or fp16, head_dim 64, 128 or 256, last dimension contiguous; other strides are passed to the
 kernels as they are when they (and the data pointer) keep 16-byte alignment, otherwise the input is copied
 first (``.contiguous()``). Outputs are fresh contiguous tensors.
@@ -103,10 +109,11 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------
 # compiled kernels
 # ------------------------------------------------------------------------------------------------
-def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subtract_mean: bool, varlen: bool):
+def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subtract_mean: bool, varlen: bool,
+                  balance=None):
     from ..cute_kernels.sm90 import qk_int8_quant as m
 
-    cfg = m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen)
+    cfg = m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen, balance)
     return cfg, m.compiled_quant(cfg, arch)
 
 
@@ -126,10 +133,10 @@ def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[tor
     return total, 1
 
 
-def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool):
+def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool, stats: str = "sum"):
     from ..cute_kernels.sm90 import qk_int8_kmean as m
 
-    cfg = m.KMeanPartial(head_dim, in_bf16, varlen)
+    cfg = m.KMeanPartial(head_dim, in_bf16, varlen, stats)
     return cfg, m.compiled_kmean(cfg, arch)
 
 
@@ -159,7 +166,8 @@ def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple
 # the shared launch sequence
 # ------------------------------------------------------------------------------------------------
 def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, granularity: str, smooth_k: bool,
-                block_q: int, warp_q: int, block_k: int, q_int8, q_scale, k_int8, k_scale, k_mean) -> None:
+                block_q: int, warp_q: int, block_k: int, q_int8, q_scale, k_int8, k_scale, k_mean,
+                qk_balance=None) -> None:
     from ..interface.fast_launch import fast
     from ..interface.variants import supported_arch
 
@@ -176,26 +184,50 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
         s = _strides(t)
         return (0, s[0], s[1]) if varlen else tuple(s)
 
+    balance = qk_balance is not None
     with torch.cuda.device(dev):
         arch = supported_arch(dev)
         stream = torch.cuda.current_stream(dev).cuda_stream
+        q_amax = None
+        if balance:
+            if seqlen_q > 0 and seqlen_k > 0:  # column amax of Q (per q head; the K kernel takes the group's max)
+                qcfg, qstats = _kmean_kernel(arch, D, q.dtype == torch.bfloat16, varlen, "absmax")
+                nc, chunk_rows = _k_chunks(seqlen_q, batch * Hq, qcfg.rows_per_step, _num_sms(dev))
+                q_amax = _alloc((batch, Hq, nc, D), torch.float32, dev)
+                fast(qstats)(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows,
+                             *strides(q), stream)
+                q_amax, _ = _fold_chunks(q_amax, "max_f32", arch, stream)
+            else:  # no rows on one side: every lam is 1
+                qk_balance.fill_(1.0)
+                balance = False
         if seqlen_k > 0:
             partial = None
+            k_range = None
             num_chunks = 1
-            if smooth_k:
-                kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen)
-                num_chunks, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
-                partial = _alloc((batch, Hkv, num_chunks, D), torch.float64, dev)
-                fast(kmean)(addr(k), addr(partial), addr(cu_k), batch, seqlen_k, Hkv, num_chunks, chunk_rows,
+            if smooth_k or balance:
+                stats = ("sum_range" if smooth_k else "range") if balance else "sum"
+                kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen, stats)
+                nc, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
+                if smooth_k:
+                    partial = _alloc((batch, Hkv, nc, D), torch.float64, dev)
+                if balance:
+                    k_range = _alloc((batch, Hkv * 2, nc, D), torch.float32, dev)  # (B, H, 2, chunks, D)
+                fast(kmean)(addr(k), addr(partial), addr(k_range), addr(cu_k), batch, seqlen_k, Hkv, nc, chunk_rows,
                             *strides(k), stream)
-                partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
-            _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen)
-            fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), batch,
-                         seqlen_k, Hkv, k_scale.shape[2], num_chunks, *strides(k), stream)
+                if smooth_k:
+                    partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
+                if balance:
+                    k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
+            _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
+                                      "k" if balance else None)
+            fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
+                         addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks,
+                         Hq // Hkv, *strides(k), stream)
         if seqlen_q > 0:
-            _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen)
-            fast(qquant)(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), batch,
-                         seqlen_q, Hq, q_scale.shape[2], 1, *strides(q), stream)
+            _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
+                                      "q" if qk_balance is not None else None)
+            fast(qquant)(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
+                         addr(qk_balance), batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)
 
 
 def _check_group_sizes(D: int, granularity: str, block_q: int, warp_q: int, block_k: int) -> None:
@@ -217,7 +249,8 @@ def quantize_qk_int8(
     block_q: int = 128,
     warp_q: int = 16,
     block_k: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    balance_qk: bool = False,
+) -> tuple:
     """INT8 Q/K quantization for the SageAttention-style prefill, on the GPU (CuTe-DSL kernels).
 
     ``q`` (batch, seqlen_q, num_q_heads, head_dim) and ``k`` (batch, seqlen_k, num_kv_heads, head_dim), bf16 or
@@ -226,7 +259,11 @@ def quantize_qk_int8(
     * ``q_int8`` (B, Sq, Hq, D) and ``k_int8`` (B, Sk, Hkv, D) int8, contiguous;
     * ``q_scale`` fp32 (B, Hq, ceil(Sq / block_q)) for ``"per_block"``, (B, Hq, ceil(Sq / block_q) *
       (block_q // warp_q)) for ``"per_warp"``; ``k_scale`` fp32 (B, Hkv, ceil(Sk / block_k));
-    * ``k_mean`` fp32 (B, Hkv, D), the per-channel mean of K that was subtracted, or None without ``smooth_k``.
+    * ``k_mean`` fp32 (B, Hkv, D), the per-channel mean of K that was subtracted, or None without ``smooth_k``;
+    * ``balance_qk=True`` (off by default) adds ``qk_balance`` fp32 (B, Hkv, D): powers of two moved between the
+      channels of Q and K before quantizing (``q * qk_balance``, ``(k - k_mean) / qk_balance``; ``Q K^T`` is
+      unchanged), which keeps one loud channel from coarsening every other (:mod:`qattn.quant.qk_int8`). Costs
+      one more read of Q and K's column max / min.
 
     Bytes and scales equal :func:`~qattn.quant.qk_int8.quantize_qk_int8_reference` (with ``k_mean=`` this
     function's ``k_mean``). Launched on the current stream without host synchronisation; values are not
@@ -235,10 +272,9 @@ def quantize_qk_int8(
     if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_qk_int8
         from ..interface.torch_ops import quantize_qk_int8_traced
 
-        return quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k)
+        return quantize_qk_int8_traced(q, k, granularity, smooth_k, block_q, warp_q, block_k, balance_qk)
     _check_blocks(granularity, block_q, warp_q, block_k)
-    if not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_bools(smooth_k=smooth_k, balance_qk=balance_qk)
     _check_input(q, "q", 4, "(batch, seqlen_q, num_q_heads, head_dim)")
     _check_input(k, "k", 4, "(batch, seqlen_k, num_kv_heads, head_dim)")
     _check_pair(q, k)
@@ -260,12 +296,14 @@ def quantize_qk_int8(
     q_scale = _alloc((B, Hq, nq), torch.float32, dev)
     k_scale = _alloc((B, Hkv, nk), torch.float32, dev)
     k_mean = _k_mean_out(smooth_k, (B, Hkv, D), Sk, dev)
-    if B == 0:
-        return q_int8, q_scale, k_int8, k_scale, k_mean
-    _launch_all(_kernel_view(q), _kernel_view(k), batch=B, seqlen_q=Sq, seqlen_k=Sk, cu_q=None, cu_k=None,
-                granularity=granularity, smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k,
-                q_int8=q_int8, q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
-    return q_int8, q_scale, k_int8, k_scale, k_mean
+    qk_balance = _alloc((B, Hkv, D), torch.float32, dev) if balance_qk else None
+    if B > 0:
+        _launch_all(_kernel_view(q), _kernel_view(k), batch=B, seqlen_q=Sq, seqlen_k=Sk, cu_q=None, cu_k=None,
+                    granularity=granularity, smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k,
+                    q_int8=q_int8, q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean,
+                    qk_balance=qk_balance)
+    out = (q_int8, q_scale, k_int8, k_scale, k_mean)
+    return out + (qk_balance,) if balance_qk else out
 
 
 def quantize_qk_int8_varlen(
@@ -281,13 +319,15 @@ def quantize_qk_int8_varlen(
     block_q: int = 128,
     warp_q: int = 16,
     block_k: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    balance_qk: bool = False,
+) -> tuple:
     """Varlen :func:`quantize_qk_int8`: ``q`` (total_q, Hq, D), ``k`` (total_k, Hkv, D), sequence ``i`` being
     rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, (num_seqs + 1,), FlashAttention's convention).
 
     Layout (see :mod:`qattn.quant.qk_int8`): ``q_int8`` / ``k_int8`` like ``q`` / ``k``; scales padded per
     sequence, ``q_scale`` (num_seqs, Hq, groups(max_seqlen_q)), ``k_scale`` (num_seqs, Hkv, ceil(max_seqlen_k
-    / block_k)), tail groups of shorter sequences 0; ``k_mean`` (num_seqs, Hkv, D). Groups never cross
+    / block_k)), tail groups of shorter sequences 0; ``k_mean`` (num_seqs, Hkv, D); with ``balance_qk``
+    ``qk_balance`` (num_seqs, Hkv, D), one per sequence (ones where Q or K is empty). Groups never cross
     sequence boundaries. Equal to :func:`~qattn.quant.qk_int8.quantize_qk_int8_varlen_reference`.
 
     Not checked (that would synchronise): ``cu_seqlens`` non-decreasing from 0 with every length at most
@@ -297,10 +337,9 @@ def quantize_qk_int8_varlen(
         from ..interface.torch_ops import quantize_qk_int8_varlen_traced
 
         return quantize_qk_int8_varlen_traced(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              granularity, smooth_k, block_q, warp_q, block_k)
+                                              granularity, smooth_k, block_q, warp_q, block_k, balance_qk)
     _check_blocks(granularity, block_q, warp_q, block_k)
-    if not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_bools(smooth_k=smooth_k, balance_qk=balance_qk)
     _check_input(q, "q", 3, "(total_q, num_q_heads, head_dim)")
     _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
     _check_pair(q, k)
@@ -326,13 +365,14 @@ def quantize_qk_int8_varlen(
     q_scale = _alloc((n, Hq, nq), torch.float32, dev)
     k_scale = _alloc((n, Hkv, nk), torch.float32, dev)
     k_mean = _k_mean_out(smooth_k, (n, Hkv, D), Sk, dev)
-    if n == 0:
-        return q_int8, q_scale, k_int8, k_scale, k_mean
-    _launch_all(_kernel_view(q), _kernel_view(k), batch=n, seqlen_q=Sq, seqlen_k=Sk,
-                cu_q=cu_seqlens_q.contiguous(), cu_k=cu_seqlens_k.contiguous(), granularity=granularity,
-                smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k, q_int8=q_int8,
-                q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
-    return q_int8, q_scale, k_int8, k_scale, k_mean
+    qk_balance = _alloc((n, Hkv, D), torch.float32, dev) if balance_qk else None
+    if n > 0:
+        _launch_all(_kernel_view(q), _kernel_view(k), batch=n, seqlen_q=Sq, seqlen_k=Sk,
+                    cu_q=cu_seqlens_q.contiguous(), cu_k=cu_seqlens_k.contiguous(), granularity=granularity,
+                    smooth_k=smooth_k, block_q=block_q, warp_q=warp_q, block_k=block_k, q_int8=q_int8,
+                    q_scale=q_scale, k_int8=k_int8, k_scale=k_scale, k_mean=k_mean, qk_balance=qk_balance)
+    out = (q_int8, q_scale, k_int8, k_scale, k_mean)
+    return out + (qk_balance,) if balance_qk else out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,6 +429,12 @@ def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seql
                     smooth_k=smooth_k, block_q=block_k, warp_q=block_k, block_k=block_k, q_int8=None, q_scale=None,
                     k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
     return k_int8, k_scale, k_mean
+
+
+def _check_bools(**flags) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
 
 
 def _check_k_only(k: torch.Tensor, block_k: int) -> None:

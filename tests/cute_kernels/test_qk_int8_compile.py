@@ -180,3 +180,77 @@ def test_export_and_reload_through_the_compile_cache(tmp_path, monkeypatch):
         fresh = CompileCache(v.kind)
         assert fresh.get(v.key, v.build) is not None and fresh.events[-1].source == "disk"
     assert len(list(tmp_path.rglob("*.o"))) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# channel balancing (balance_qk): the statistics passes and the balanced quantize kernels
+# ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _stats_ptx(head_dim, stats, varlen=False, arch="sm_90a"):
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.sm90 import qk_int8_kmean
+
+    cfg, args = qk_int8_kmean.make_kmean_compile_args(head_dim, True, varlen, stats)
+    return cfg, compile_utils.compile_for_arch(cfg, *args, arch=arch)[1]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("stats", ["sum_range", "range", "absmax"])
+def test_kmean_statistics_compile(head_dim, stats):
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+    from qattn.cute_kernels.sm90.qk_int8_kmean import UNROLL
+
+    _, ptx = _stats_ptx(head_dim, stats, varlen=stats == "range")
+    _common(ptx)
+    assert ptx_count(ptx, LD16) == UNROLL  # still one read of the rows
+    f32_stores = ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)32\b")
+    f64_stores = ptx_count(ptx, r"\bst\.global(\.\w+)*\.(b|f)64\b")
+    assert (f32_stores, f64_stores) == {"sum_range": (2, 1), "range": (2, 0), "absmax": (1, 0)}[stats]
+    assert ptx_has(ptx, r"\bmax\.f32\b")
+    assert ptx_has(ptx, r"\badd\.f64\b") == (stats == "sum_range")
+    assert ptx_has(ptx, r"\babs\.f32\b") == (stats == "absmax")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_rows,subtract_mean,balance", [(128, True, "k"), (128, False, "k"), (16, False, "q"),
+                                                             (128, False, "q")])
+def test_quant_balanced_compiles(head_dim, group_rows, subtract_mean, balance):
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.compile_utils import ptx_count
+    from qattn.cute_kernels.sm90 import qk_int8_quant
+
+    cfg, args = qk_int8_quant.make_quant_compile_args(head_dim, group_rows, True, subtract_mean, False, balance)
+    ptx = compile_utils.compile_for_arch(cfg, *args, arch="sm_90a")[1]
+    _common(ptx)
+    assert ptx_count(ptx, LD16) == cfg.passes and ptx_count(ptx, ST8) == cfg.passes
+    # x * inv as before, plus the exact balance product in the amax pass and in the quantize pass
+    assert ptx_count(ptx, r"\bmul\.rn\.f32\b") == 3 * 8 * cfg.passes
+    assert ptx_count(ptx, r"\bdiv\.rn\.f32\b") == 1 and ptx_count(ptx, r"\brcp\.rn\.f32\b") == 1
+    if balance == "k":  # lam derived from the exponent bits, written once
+        assert compile_utils.ptx_has(ptx, r"\bshr\.s32\b")
+
+
+def test_balanced_kernels_compile_for_sm100():
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.sm90 import qk_int8_quant
+
+    for stats in ("sum_range", "absmax"):
+        _common(_stats_ptx(128, stats, arch="sm_100a")[1], "sm_100a")
+    for rows, mean, bal in ((128, True, "k"), (16, False, "q")):
+        cfg, args = qk_int8_quant.make_quant_compile_args(128, rows, True, mean, False, bal)
+        _common(compile_utils.compile_for_arch(cfg, *args, arch="sm_100a")[1], "sm_100a")
+
+
+def test_balance_config_errors_and_keys():
+    from qattn.cute_kernels.sm90.qk_int8_kmean import STATS, KMeanPartial
+    from qattn.cute_kernels.sm90.qk_int8_quant import QKInt8Quant
+
+    with pytest.raises(ValueError, match="stats"):
+        KMeanPartial(128, stats="min")
+    with pytest.raises(ValueError, match="balance"):
+        QKInt8Quant(128, 128, balance="v")
+    with pytest.raises(ValueError, match="balance"):
+        QKInt8Quant(128, 16, subtract_mean=True, balance="q")
+    keys = {QKInt8Quant(128, 128, True, m, False, b).key for m in (True, False) for b in (None, "k")}
+    keys |= {KMeanPartial(128, True, False, s).key for s in STATS}
+    assert len(keys) == 8

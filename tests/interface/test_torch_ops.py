@@ -294,7 +294,8 @@ def test_flatten_kv_fake_shapes():
 
 
 @pytest.mark.parametrize("granularity,smooth_k", [("per_warp", True), ("per_block", False)])
-def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k):
+@pytest.mark.parametrize("balance_qk", [False, True])
+def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k, balance_qk):
     """The prepass ops' fake outputs have the shapes and dtypes of the exact references' outputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -304,18 +305,21 @@ def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 300, 8, 64, generator=g).bfloat16()
     k = torch.randn(2, 200, 2, 64, generator=g).bfloat16()
-    ref = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k)
+    ref = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, balance_qk=balance_qk)
     cu_q, cu_k = torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([0, 150, 200], dtype=torch.int32)
     qv, kv = q[0, :300], k[0, :200]
     ref_v = quantize_qk_int8_varlen_reference(qv, kv, cu_q, cu_k, 200, 150, granularity=granularity,
-                                              smooth_k=smooth_k)
+                                              smooth_k=smooth_k, balance_qk=balance_qk)
     ref_fp8 = quantize_v_fp8_reference(k)
     with FakeTensorMode() as mode:
         fq, fk, fv, fcq, fck = (mode.from_tensor(t) for t in (q, k, qv, cu_q, cu_k))
-        outs = torch.ops.qattn.quantize_qk_int8(fq, fk, granularity, smooth_k, 128, 16, 128)
+        outs = torch.ops.qattn.quantize_qk_int8(fq, fk, granularity, smooth_k, 128, 16, 128, balance_qk)
         outs_v = torch.ops.qattn.quantize_qk_int8_varlen(fv, mode.from_tensor(kv), fcq, fck, 200, 150, granularity,
-                                                          smooth_k, 128, 16, 128)
+                                                          smooth_k, 128, 16, 128, balance_qk)
         outs_fp8 = torch.ops.qattn.quantize_v_fp8(fk)
+    assert len(outs) == len(outs_v) == 6 and len(ref) == len(ref_v) == (6 if balance_qk else 5)
+    if not balance_qk:  # the op's qk_balance slot is an empty tensor
+        assert outs[5].numel() == outs_v[5].numel() == 0
     for fake, real in list(zip(outs, ref)) + list(zip(outs_v, ref_v)) + list(zip(outs_fp8, ref_fp8)):
         if real is None:
             assert fake.numel() == 0  # no smoothing: an empty k_mean, None from the public function

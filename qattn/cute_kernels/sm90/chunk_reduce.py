@@ -2,12 +2,12 @@
 
 The prepasses reduce a long sequence in chunks of rows (many CTAs per (sequence, head)) and leave one partial
 per chunk and channel: fp64 sums of K for the K mean (:mod:`qk_int8_kmean`), fp32 amax of V for the FP8 V scales
-(:mod:`v_fp8_quant`). Combining them once here (one CTA per (sequence, head), one thread per channel) lets every
+(:mod:`v_fp8_quant`), fp32 ranges of K and amax of Q for channel balancing (:mod:`qk_int8_kmean`). Combining them once here (one CTA per (sequence, head), one thread per channel) lets every
 CTA of the following kernel read one total instead of re-reading all chunks. H100, K (2, 8192, 16, 128): the K
 quantize kernel takes 43.8 us with one value per column to read, 61.7 us with 16. The order (0 op chunk 0 op
 chunk 1 ...) is the one those kernels used, so the results are bit for bit the same.
 
-``op``: ``"sum_f64"`` (fp64 adds) or ``"max_f32"`` (fp32 max of non-negative values, starting from 0).
+``op``: ``"sum_f64"`` (fp64 adds) or ``"max_f32"`` (fp32 max, starting from -inf; there is always a chunk).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ChunkReduce:
         bh = Int64(b) * Int64(num_heads) + Int64(head)
         mPart = cute.make_tensor(_gptr(dt, partial_addr + bh * Int64(num_chunks) * Int64(D * nbytes), nbytes),
                                  cute.make_layout((D, num_chunks), stride=(1, D)))
-        acc = dt(0.0)
+        acc = dt(0.0) if cutlass.const_expr(self.op == "sum_f64") else -Float32.inf
         for c in cutlass.range(num_chunks, unroll=8):
             if cutlass.const_expr(self.op == "sum_f64"):
                 acc = acc + mPart[d, c]

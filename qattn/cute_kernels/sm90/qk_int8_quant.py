@@ -10,6 +10,11 @@ passes one total per column, added up by :mod:`chunk_reduce`; several partial su
 order; one RN fp64 division by the length, one RN conversion to fp32), writes it out, and quantizes
 ``x - mean`` (one RN fp32 subtraction).
 
+Channel balancing (``balance``, ``qattn.quant.qk_int8`` explains it): ``"k"`` -- the K kernel also derives the
+power-of-two ``lam = 2^e`` of every channel of its kv head from the K range totals and the Q amax totals of the
+head's q heads (:mod:`qk_int8_kmean` + :mod:`chunk_reduce`), writes ``lam`` out and quantizes
+``(x - mean) * 2^-e``; ``"q"`` -- the Q kernel reads ``lam`` and quantizes ``x * 2^e``. Both products are exact.
+
 Numerics, exactly those of ``qattn.quant.qk_int8.quantize_qk_int8_reference``: ``amax = max |x|`` over the
 group's existing rows (0 for a group with no rows), ``s = amax / 127`` (``div.rn.f32``), ``inv = 1 / s``
 (``div.rn.f32``, only when ``s`` is a normal fp32, else 0), ``q = clamp(cvt.rni(x * inv), -127, 127)``; the
@@ -42,13 +47,15 @@ from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_s8x4, mul_rn, sub_rn
 from qattn.interface.variants import Variant, cache_for, register
 
-__all__ = ["QKInt8Quant", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
+__all__ = ["QKInt8Quant", "balance_log2", "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
            "div_rn_f64", "f64_to_f32_rn"]
 
 KIND = "qk_int8_quant"
 
 INT8_MAX = 127.0
 FP32_MIN_NORMAL = 2.0**-126
+BALANCE_MAX_LOG2 = 32  # = qattn.quant.qk_int8.BALANCE_MAX_LOG2
+BALANCES = (None, "k", "q")
 _MAX_THREADS = 1024
 _TARGET_TILE_ROWS = 128  # rows per CTA: 128 x 16-bit x head_dim 128 = 32 KB in flight per CTA
 
@@ -78,8 +85,9 @@ def f64_to_f32_rn(a, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float64(a).ir_value(loc=loc, ip=ip)], "cvt.rn.f32.f64 $0, $1;", "=f,d"))
 
 
-def _ptx_word_absmax(in_bf16: bool, subtract_mean: bool) -> str:
-    """$0 <- max(|lo - $2|, |hi - $3|) of the two 16-bit values packed in $1 (exact widening, RN subtraction).
+def _ptx_word_absmax(in_bf16: bool, subtract_mean: bool, scaled: bool = False) -> str:
+    """$0 <- max(|lo - $2|, |hi - $3|) of the two 16-bit values packed in $1 (exact widening, RN subtraction;
+    ``scaled``: times $4, $5 after the subtraction).
 
     The amax pass uses this instead of the quantize pass's widening helpers on purpose: a different asm body
     cannot be merged with them, so the compiler keeps the packed words (not 2x as many fp32 values) alive
@@ -89,15 +97,45 @@ def _ptx_word_absmax(in_bf16: bool, subtract_mean: bool) -> str:
     else:
         widen = "mov.b32 {h0, h1}, $1;\n\tcvt.f32.f16 lo, h0;\n\tcvt.f32.f16 hi, h1;\n\t"
     sub = "sub.rn.f32 lo, lo, $2;\n\tsub.rn.f32 hi, hi, $3;\n\t" if subtract_mean else ""
+    if scaled:
+        sub += "mul.rn.f32 lo, lo, $4;\n\tmul.rn.f32 hi, hi, $5;\n\t"
     return ("{\n\t.reg .f32 lo, hi;\n\t.reg .b16 h0, h1;\n\t" + widen + sub
             + "abs.f32 lo, lo;\n\tabs.f32 hi, hi;\n\tmax.f32 $0, lo, hi;\n\t}")
 
 
 @dsl_user_op
-def word_absmax(word, m0, m1, in_bf16: bool, subtract_mean: bool, *, loc=None, ip=None) -> Float32:
+def word_absmax(word, m0, m1, in_bf16: bool, subtract_mean: bool, l0=None, l1=None, *, loc=None, ip=None) -> Float32:
     ops = [Uint32(word).ir_value(loc=loc, ip=ip), Float32(m0).ir_value(loc=loc, ip=ip),
            Float32(m1).ir_value(loc=loc, ip=ip)]
-    return Float32(_asm(T.f32(), ops, _ptx_word_absmax(in_bf16, subtract_mean), "=f,r,f,f"))
+    scaled = l0 is not None
+    if scaled:
+        ops += [Float32(l0).ir_value(loc=loc, ip=ip), Float32(l1).ir_value(loc=loc, ip=ip)]
+    return Float32(_asm(T.f32(), ops, _ptx_word_absmax(in_bf16, subtract_mean, scaled),
+                        "=f,r,f,f,f,f" if scaled else "=f,r,f,f"))
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f"))
+
+
+@dsl_user_op
+def bits_f32(x, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r"))
+
+
+@cute.jit
+def balance_log2(amax_q: Float32, amax_k: Float32) -> Int32:
+    """e of the channel balance ``lam = 2^e`` (``qattn.quant.qk_int8.qk_balance_reference``, bit for bit)."""
+    bq = f32_bits(amax_q)
+    bk = f32_bits(amax_k)
+    d = ((bk >> 23) - (bq >> 23)) - cutlass.select_((bk & 0x7FFFFF) < (bq & 0x7FFFFF), Int32(1), Int32(0))
+    e = cutlass.min(cutlass.max((d + 1) >> 1, Int32(-BALANCE_MAX_LOG2)), Int32(BALANCE_MAX_LOG2))
+    if amax_q < Float32(FP32_MIN_NORMAL):  # also -inf: no rows
+        e = Int32(0)
+    if amax_k < Float32(FP32_MIN_NORMAL):
+        e = Int32(0)
+    return e
 
 
 def _gptr(dtype, addr, align: int):
@@ -112,7 +150,12 @@ class QKInt8Quant:
     """
 
     def __init__(self, head_dim: int, group_rows: int, in_bf16: bool = True, subtract_mean: bool = False,
-                 varlen: bool = False):
+                 varlen: bool = False, balance=None):
+        if balance not in BALANCES:
+            raise ValueError(f"balance: expected one of {BALANCES}, got {balance!r}")
+        if balance == "q" and subtract_mean:
+            raise ValueError("balance: 'q' quantizes Q, which is never mean-subtracted")
+        self.balance = balance
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim: the INT8 Q/K quantizer supports 64, 128 and 256, got {head_dim}")
         if not isinstance(group_rows, int) or group_rows <= 0:
@@ -136,7 +179,8 @@ class QKInt8Quant:
 
     @property
     def key(self) -> tuple:
-        return ("bf16" if self.in_bf16 else "fp16", self.head_dim, self.group_rows, self.subtract_mean, self.varlen)
+        key = ("bf16" if self.in_bf16 else "fp16", self.head_dim, self.group_rows, self.subtract_mean, self.varlen)
+        return key if self.balance is None else key + ("balance_" + self.balance,)
 
     # --------------------------------------------------------------------------------------------
     @cute.jit
@@ -148,25 +192,31 @@ class QKInt8Quant:
         partial_addr: Int64,  # fp64 (B, H, num_chunks, D) K partial sums (subtract_mean only)
         mean_addr: Int64,  # fp32 (B, H, D) mean out (subtract_mean only)
         cu_seqlens_addr: Int64,  # int32 (B + 1,) (varlen only)
+        k_range_addr: Int64,  # balance "k": fp32 (B, H, 2, D) column max, negated column min of K
+        q_amax_addr: Int64,  # balance "k": fp32 (B, H * q_per_kv, D) column amax of Q
+        balance_addr: Int64,  # fp32 (B, H_kv, D) lam: written by balance "k", read by balance "q"
         batch: Int32,
         seqlen: Int32,  # dense: S; varlen: unused (lengths come from cu_seqlens)
         num_heads: Int32,
         num_groups: Int32,  # scale groups per (sequence, head), padding groups included
         num_chunks: Int32,  # partial sums per (sequence, head) (subtract_mean only)
+        q_per_kv: Int32,  # q heads per kv head (balance only)
         stride_b: Int64,  # input strides in elements; stride_b unused in varlen
         stride_s: Int64,
         stride_h: Int64,
         stream: cuda.CUstream,
     ):
         grid_x = (num_groups + self.groups_per_cta - 1) // self.groups_per_cta
-        self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, batch, seqlen,
-                    num_heads, num_groups, num_chunks, stride_b, stride_s, stride_h).launch(
+        self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, k_range_addr, q_amax_addr,
+                    balance_addr, batch, seqlen, num_heads, num_groups, num_chunks, q_per_kv, stride_b, stride_s,
+                    stride_h).launch(
             grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, x_addr: Int64, out_addr: Int64, scale_addr: Int64, partial_addr: Int64, mean_addr: Int64,
-               cu_seqlens_addr: Int64, batch: Int32, seqlen: Int32, num_heads: Int32, num_groups: Int32,
-               num_chunks: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64):
+               cu_seqlens_addr: Int64, k_range_addr: Int64, q_amax_addr: Int64, balance_addr: Int64, batch: Int32,
+               seqlen: Int32, num_heads: Int32, num_groups: Int32, num_chunks: Int32, q_per_kv: Int32,
+               stride_b: Int64, stride_s: Int64, stride_h: Int64):
         D, G, TPR, RPP = self.head_dim, self.group_rows, self.threads_per_row, self.rows_per_pass
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, b = cute.arch.block_idx()
@@ -212,6 +262,7 @@ class QKInt8Quant:
         sAmax = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
         sMean = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+        sLam = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)  # the factor x is scaled by
         if tidx < self.groups_per_cta:
             sAmax[tidx] = Float32(0.0)
         bh = Int64(b) * Int64(num_heads) + Int64(head)
@@ -229,6 +280,30 @@ class QKInt8Quant:
                 if tile == 0:
                     mMean = cute.make_tensor(_gptr(Float32, mean_addr + bh * Int64(D * 4), 4), cute.make_layout(D))
                     mMean[tidx] = mean
+        if cutlass.const_expr(self.balance == "k"):
+            if tidx < D:
+                mRange = cute.make_tensor(_gptr(Float32, k_range_addr + bh * Int64(2 * D * 4), 4),
+                                          cute.make_layout((D, 2), stride=(1, D)))
+                hi, neg_lo = mRange[tidx, 0], mRange[tidx, 1]
+                amax_k = cute.arch.fmax(hi, neg_lo)
+                if cutlass.const_expr(self.subtract_mean):  # max |x - mean| (RN subtraction is monotonic)
+                    m = sMean[tidx]
+                    amax_k = cute.arch.fmax(sub_rn(hi, m), sub_rn(m, -neg_lo))
+                mQ = cute.make_tensor(_gptr(Float32, q_amax_addr, 4), cute.make_layout(1 << 30))
+                q_row = (Int64(b) * Int64(num_heads) + Int64(head)) * Int64(q_per_kv)
+                amax_q = Float32(0.0)
+                for g in cutlass.range(q_per_kv, unroll=1):
+                    amax_q = cute.arch.fmax(amax_q, mQ[(q_row + Int64(g)) * Int64(D) + Int64(tidx)])
+                e = balance_log2(amax_q, amax_k)
+                sLam[tidx] = bits_f32((Int32(127) - e) << 23)  # 2^-e
+                if tile == 0:
+                    mLam = cute.make_tensor(_gptr(Float32, balance_addr + bh * Int64(D * 4), 4), cute.make_layout(D))
+                    mLam[tidx] = bits_f32((Int32(127) + e) << 23)
+        if cutlass.const_expr(self.balance == "q"):
+            if tidx < D:
+                bh_kv = Int64(b) * Int64(num_heads // q_per_kv) + Int64(head // q_per_kv)
+                mLam = cute.make_tensor(_gptr(Float32, balance_addr + bh_kv * Int64(D * 4), 4), cute.make_layout(D))
+                sLam[tidx] = mLam[tidx]
         cute.arch.sync_threads()
 
         # ---- this thread's 8 columns' means --------------------------------------------------------------
@@ -236,6 +311,10 @@ class QKInt8Quant:
         if cutlass.const_expr(self.subtract_mean):
             for i in cutlass.range_constexpr(8):
                 rMean[i] = sMean[part * 8 + i]
+        rLam = cute.make_rmem_tensor((8,), Float32)
+        if cutlass.const_expr(self.balance is not None):
+            for i in cutlass.range_constexpr(8):
+                rLam[i] = sLam[part * 8 + i]
 
         # ---- group amax: per row over its TPR threads, then an atomic max into the group's slot -----------
         for p in cutlass.range_constexpr(self.passes):
@@ -244,7 +323,10 @@ class QKInt8Quant:
                 m0, m1 = Float32(0.0), Float32(0.0)
                 if cutlass.const_expr(self.subtract_mean):
                     m0, m1 = rMean[2 * w], rMean[2 * w + 1]
-                a = cute.arch.fmax(a, word_absmax(rX[w, p], m0, m1, self.in_bf16, self.subtract_mean))
+                l0, l1 = None, None
+                if cutlass.const_expr(self.balance is not None):
+                    l0, l1 = rLam[2 * w], rLam[2 * w + 1]
+                a = cute.arch.fmax(a, word_absmax(rX[w, p], m0, m1, self.in_bf16, self.subtract_mean, l0, l1))
             a = cute.arch.warp_reduction(a, cute.arch.fmax, threads_in_group=TPR)
             r = p * RPP + rip
             if part == 0:
@@ -277,7 +359,7 @@ class QKInt8Quant:
             if r < self.tile_rows:
                 if row < length:
                     inv = sInv[r // G]
-                    vals = self._values(rX, rMean, p)
+                    vals = self._values(rX, rMean, rLam, p)
                     rQ = cute.make_rmem_tensor((2,), Uint32)
                     for w in cutlass.range_constexpr(2):
                         rQ[w] = f32x4_to_s8x4(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv),
@@ -285,9 +367,9 @@ class QKInt8Quant:
                     dst = out_base + (out_row0 + Int64(row)) * row_bytes
                     cute.copy(vec64, rQ, cute.make_tensor(_gptr(Uint32, dst, 8), cute.make_layout(2)))
 
-    def _values(self, rX: cute.Tensor, rMean: cute.Tensor, p: int) -> list:
-        """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction). Plain
-        Python, unrolled while the kernel is traced."""
+    def _values(self, rX: cute.Tensor, rMean: cute.Tensor, rLam: cute.Tensor, p: int) -> list:
+        """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction; times the
+        balance factor, exact). Plain Python, unrolled while the kernel is traced."""
         vals = []
         for w in range(4):
             word = rX[w, p]
@@ -298,20 +380,23 @@ class QKInt8Quant:
             if self.subtract_mean:
                 lo = sub_rn(lo, rMean[2 * w])
                 hi = sub_rn(hi, rMean[2 * w + 1])
+            if self.balance is not None:
+                lo = mul_rn(lo, rLam[2 * w])
+                hi = mul_rn(hi, rLam[2 * w + 1])
             vals.append(lo)
             vals.append(hi)
         return vals
 
 
 def make_quant_compile_args(head_dim: int, group_rows: int, in_bf16: bool = True, subtract_mean: bool = False,
-                            varlen: bool = False):
+                            varlen: bool = False, balance=None):
     """(kernel object, placeholder args) to compile :class:`QKInt8Quant` without a GPU."""
-    cfg = QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen)
+    cfg = QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen, balance)
     return cfg, quant_placeholder_args()
 
 
 def quant_placeholder_args() -> tuple:
-    return (tuple(Int64(0) for _ in range(6)) + tuple(Int32(1) for _ in range(5))
+    return (tuple(Int64(0) for _ in range(9)) + tuple(Int32(1) for _ in range(6))
             + tuple(Int64(1) for _ in range(3)) + (cute.runtime.make_fake_stream(),))
 
 

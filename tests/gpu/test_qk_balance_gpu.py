@@ -1,0 +1,150 @@
+"""GPU tests: channel balancing of the INT8 Q/K prepass (``balance_qk=True``), bit for bit against the torch
+reference, and its effect on attention accuracy through ``flash_attn_func``.
+
+Output buffers and workspaces are poisoned (int8 -128, fp32 / fp64 NaN) as in ``test_qk_int8_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qattn.quant import launch, quantize_qk_int8, quantize_qk_int8_varlen
+from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
+from tests.gpu.test_qk_int8_gpu import (_assert_bits_equal, _assert_int8_equal, _assert_within_ulps, _cu,
+                                        _poisoned_alloc)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(launch, "_alloc", _poisoned_alloc)
+
+
+def _loud(shape, dtype, gen, *, q_channels=(), k_channels=(), offset=0.0):
+    """randn with some channels x8 (and a per-channel offset for K), the balancing's use case."""
+    x = torch.randn(*shape, generator=gen)
+    for c in q_channels + k_channels:
+        x[..., c] *= 8.0
+    if offset:
+        x = x + offset * torch.randn(shape[-1], generator=gen)
+    return x.to(dtype).cuda()
+
+
+def _check(got, ref_fn, smooth_k: bool):
+    qi, qs, ki, ks, km, lam = got
+    assert lam.dtype == torch.float32 and lam.is_contiguous()
+    ref = ref_fn(None)
+    if smooth_k:
+        _assert_within_ulps(km, ref[4], 2, "k_mean")
+        ref = ref_fn(km.cpu())  # K and lam for the kernels' own mean
+    else:
+        assert km is None
+    _assert_bits_equal(lam, ref[5], "qk_balance")
+    _assert_int8_equal(qi, ref[0], "q_int8")
+    _assert_bits_equal(qs, ref[1], "q_scale")
+    _assert_int8_equal(ki, ref[2], "k_int8")
+    _assert_bits_equal(ks, ref[3], "k_scale")
+    vals = lam.cpu()
+    assert torch.equal(vals, torch.exp2(torch.log2(vals).round())), "qk_balance must hold powers of two"
+    return vals
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("granularity", ["per_warp", "per_block"])
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_dense_equals_reference(dtype, head_dim, granularity, smooth_k):
+    gen = torch.Generator().manual_seed(head_dim + smooth_k)
+    q = _loud((2, 333, 8, head_dim), dtype, gen, q_channels=(0, 1, 2))
+    k = _loud((2, 1500, 2, head_dim), dtype, gen, k_channels=(5, 9), offset=3.0)
+    got = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, balance_qk=True)
+    assert len(got) == 6 and got[5].shape == (2, 2, head_dim)
+    lam = _check(got, lambda km: quantize_qk_int8_reference(q.cpu(), k.cpu(), granularity=granularity,
+                                                            smooth_k=smooth_k, k_mean=km, balance_qk=True),
+                 smooth_k)
+    assert (lam < 1).any() and (lam > 1).any(), "loud Q and loud K channels must move both ways"
+
+
+def test_dense_zero_channels_and_empty_sides():
+    gen = torch.Generator().manual_seed(3)
+    q = _loud((1, 40, 2, 64), torch.bfloat16, gen)
+    k = _loud((1, 70, 1, 64), torch.bfloat16, gen)
+    q[..., 7] = 0  # amax_q 0 -> lam 1
+    k[..., 9] = 1.5  # constant: smoothed to 0 -> lam 1
+    got = quantize_qk_int8(q, k, balance_qk=True)
+    lam = _check(got, lambda km: quantize_qk_int8_reference(q.cpu(), k.cpu(), k_mean=km, balance_qk=True), True)
+    assert lam[0, 0, 7] == 1 and lam[0, 0, 9] == 1
+    for sq, sk in ((0, 70), (40, 0)):  # one side empty: every lam is 1
+        got = quantize_qk_int8(q[:, :sq], k[:, :sk], balance_qk=True)
+        assert torch.all(got[5] == 1)
+
+
+@pytest.mark.parametrize("granularity", ["per_warp", "per_block"])
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_varlen_equals_reference(granularity, smooth_k):
+    gen = torch.Generator().manual_seed(11 + smooth_k)
+    lens_q = [1, 17, 130, 255, 0, 300, 64]
+    lens_k = [300, 5, 129, 0, 1, 77, 2600]
+    q = _loud((sum(lens_q), 8, 128), torch.bfloat16, gen, q_channels=(3,))
+    k = _loud((sum(lens_k), 2, 128), torch.bfloat16, gen, k_channels=(40, 41), offset=2.0)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    got = quantize_qk_int8_varlen(q, k, cu_q, cu_k, 300, 2600, granularity=granularity, smooth_k=smooth_k,
+                                  balance_qk=True)
+    args = (q.cpu(), k.cpu(), cu_q.cpu(), cu_k.cpu(), 300, 2600)
+    lam = _check(got, lambda km: quantize_qk_int8_varlen_reference(*args, granularity=granularity,
+                                                                   smooth_k=smooth_k, k_mean=km, balance_qk=True),
+                 smooth_k)
+    assert torch.all(lam[3] == 1) and torch.all(lam[4] == 1)  # empty K / empty Q sequences
+
+
+def test_balance_off_is_unchanged():
+    gen = torch.Generator().manual_seed(5)
+    q = _loud((1, 200, 4, 128), torch.bfloat16, gen, q_channels=(0,))
+    k = _loud((1, 300, 4, 128), torch.bfloat16, gen, offset=1.0)
+    plain = quantize_qk_int8(q, k)
+    assert len(plain) == 5
+    ref = quantize_qk_int8_reference(q.cpu(), k.cpu(), k_mean=plain[4].cpu())
+    _assert_int8_equal(plain[0], ref[0], "q_int8")
+    _assert_int8_equal(plain[2], ref[2], "k_int8")
+
+
+def _heavy(B, S, Hq, Hkv, D, dtype, seed):
+    """The prefill tests' "heavy" input: K channel offsets, Q channels 0-3 and K channels 5-7 four times louder."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, device="cuda", generator=g)
+    k = torch.randn(B, S, Hkv, D, device="cuda", generator=g)
+    v = torch.randn(B, S, Hkv, D, device="cuda", generator=g)
+    k[..., 10:13] += 10.0
+    q[..., :4] *= 4.0
+    k[..., 5:8] *= 4.0
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_heavy_outliers_meet_the_bar_with_balancing(dtype, causal, varlen):
+    """The issue's bar (cos >= 0.999, NRMSE <= 3 %) on the "heavy" input, which misses it without balancing
+    (3.8 % on the H100)."""
+    import qattn
+    from qattn.reference.attention import attention_reference
+
+    q, k, v = _heavy(2, 1024, 4, 2, 128, dtype, seed=7)
+    ref = attention_reference(q, k, v, causal=causal)
+    res = {}
+    for bal in (False, True):
+        if varlen:
+            cu = _cu([1024, 1024])
+            o = qattn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 1024, 1024,
+                                             causal=causal, balance_qk=bal).view(q.shape)
+        else:
+            o = qattn.flash_attn_func(q, k, v, causal=causal, balance_qk=bal)
+        cos = float(torch.nn.functional.cosine_similarity(o.double().flatten(), ref.flatten(), dim=0))
+        nrmse = float((o.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+        res[bal] = (cos, nrmse)
+    print(f"heavy {dtype} causal={causal} varlen={varlen}: off cos {res[False][0]:.5f} nrmse {res[False][1]:.4f}, "
+          f"on cos {res[True][0]:.5f} nrmse {res[True][1]:.4f}")
+    assert res[True][0] >= 0.999 and res[True][1] <= 0.03, res
+    assert res[True][1] < res[False][1], res
