@@ -31,7 +31,7 @@ def prefill_compile_args():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), cute.runtime.make_fake_stream()]
 
 
 def _check_arch(device: torch.device) -> str:
@@ -73,6 +73,15 @@ def _check_q_dtypes(q, k_int8, quantize_q: bool, granularity: str) -> None:
         raise TypeError(f"q_int8: with q_scale=None, expected the unquantized Q (bf16/fp16), got {q.dtype}")
     if granularity != "per_warp":
         raise ValueError(f"q_scale: None (Q quantized inside the kernel) needs granularity='per_warp', got {granularity!r}")
+
+
+def _check_balance_input(qk_balance, quantize_q: bool, shape, dev) -> None:
+    if qk_balance is None:
+        return
+    if not quantize_q:
+        raise ValueError("qk_balance: only with q_scale=None (the kernel quantizes Q); a prepass-quantized Q "
+                         "carries the balance already")
+    _check(qk_balance, "qk_balance", torch.float32, shape, dev)
 
 
 def _check_heads(D: int, Hq: int, Hkv: int, kname: str) -> None:
@@ -120,7 +129,7 @@ def _check_qkv_16bit(q, k, v) -> None:
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float, v_scale=None) -> None:
+            softmax_scale: float, v_scale=None, qk_balance=None) -> None:
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -131,7 +140,8 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         kern = cache_for("prefill").get((arch,) + cfg.key, lambda: _build_prefill(cfg, arch))
         fast(kern)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
                    addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-                   softmax_scale * math.log2(math.e), addr(v_scale), torch.cuda.current_stream(dev).cuda_stream)
+                   softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
+                   torch.cuda.current_stream(dev).cuda_stream)
 
 
 def prefill_int8(
@@ -148,6 +158,7 @@ def prefill_int8(
     out: Optional[torch.Tensor] = None,
     pv_dtype: str = "bf16",
     v_scale: Optional[torch.Tensor] = None,
+    qk_balance: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     _tuning: Optional[dict] = None,
 ):
@@ -161,7 +172,9 @@ def prefill_int8(
 
     ``q_scale=None`` (SM90, ``granularity="per_warp"``): ``q_int8`` is the unquantized Q in the output's 16-bit
     dtype and the kernel quantizes it itself, with the prepass's numerics (one Q read instead of the prepass's
-    read + int8 write + the kernel's int8 read); ``flash_attn_func`` does this.
+    read + int8 write + the kernel's int8 read); ``flash_attn_func`` does this. With it, ``qk_balance`` (batch,
+    num_kv_heads, head_dim) fp32, the K prepass's channel balance (``quantize_k_int8(..., balance_q=q)``),
+    scales Q's channels before they are quantized (``balance_qk``; the K given must be the balanced one).
 
     Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
@@ -211,6 +224,7 @@ def prefill_int8(
     n_qg, n_kb = _scale_groups(granularity, Sq, Sk)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
+    _check_balance_input(qk_balance, quantize_q, (B, Hkv, D), dev)
     _check(k_scale, "k_scale", torch.float32, (B, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing; split the batch")
@@ -230,13 +244,15 @@ def prefill_int8(
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
-                        pv_dtype=pv_dtype, quantize_q=quantize_q, **(_tuning or {}))  # _tuning: A/B overrides
+                        pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
+                        **(_tuning or {}))  # _tuning: A/B overrides
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             None, None,
-            B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None)
+            B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
+            None if qk_balance is None else qk_balance.contiguous())
     return (out, lse) if return_lse else out
 
 
@@ -256,6 +272,7 @@ def prefill_int8_varlen(
     granularity: str = "per_warp",
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    qk_balance: Optional[torch.Tensor] = None,
     _tuning: Optional[dict] = None,
 ):
     """:func:`prefill_int8` for packed sequences (FlashAttention's varlen layout): q_int8 (total_q, num_heads,
@@ -266,7 +283,7 @@ def prefill_int8_varlen(
     LSE (num_heads, total_q). cu_seqlens contents are not read on the host (no sync): they must be
     non-decreasing, start at 0, end at the totals, and no sequence may exceed ``max_seqlen_q`` / ``max_seqlen_k``.
     ``q_scale=None``: ``q_int8`` is the unquantized Q in V's dtype, quantized inside the kernel (per_warp), as in
-    :func:`prefill_int8`.
+    :func:`prefill_int8`; ``qk_balance`` (num_seqs, num_kv_heads, head_dim) as there.
     """
     for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
         if not isinstance(t, torch.Tensor):
@@ -299,6 +316,7 @@ def prefill_int8_varlen(
     n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
+    _check_balance_input(qk_balance, quantize_q, (num_seqs, Hkv, D), dev)
     _check(k_scale, "k_scale", torch.float32, (num_seqs, Hkv, n_kb), dev)
     if max(q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the kernel's 32-bit indexing")
@@ -308,12 +326,13 @@ def prefill_int8_varlen(
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
     cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
-                        varlen=True, quantize_q=quantize_q, **(_tuning or {}))
+                        varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
-            cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale)
+            cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale, None,
+            None if qk_balance is None else qk_balance.contiguous())
     return (out, lse) if return_lse else out
 
 
@@ -376,8 +395,8 @@ def flash_attn_func(
     in V's dtype with ``pv_dtype="bf16"`` (meaning "V's 16-bit dtype"), or in FP8 E4M3 with ``pv_dtype="fp8"``
     (then a third launch, the V prepass ``qattn.quant.v_fp8.quantize_v_fp8``: per-channel scaled E4M3 V^T).
     ``balance_qk=True`` (off by default): power-of-two channel scales moved between Q and K before quantizing
-    (``Q K^T`` unchanged), for inputs with loud channels (``qattn.quant.qk_int8``); the full Q/K prepass then
-    runs (one more read of Q and K's column ranges; Q is not quantized in the attention kernel).
+    (``Q K^T`` unchanged), for inputs with loud channels (``qattn.quant.qk_int8``); the prepass then also reads
+    Q once (its column amax) and takes K's column ranges, and Q is quantized from ``q * qk_balance``.
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
     """
     if qk_quant not in ("int8", None):
@@ -421,13 +440,15 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         from ..quant.v_fp8 import _check_v
 
         _check_v(v)  # before any launch: head_dim 64 / 128
-    if _kernel_quantizes_q(q, granularity) and not balance_qk:
+    lam = None  # the channel balance, for a kernel that quantizes Q itself
+    if _kernel_quantizes_q(q, granularity):
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
-        k8, ks, _ = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K)
-    else:  # (the attention kernel never sees qk_balance: Q K^T of the balanced Q and K is the same)
+        k8, ks, _, *lam = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K, balance_q=q if balance_qk else None)
+        lam = lam[0] if lam else None
+    else:  # a prepass-quantized Q carries the balance (Q K^T of the balanced Q and K is the same)
         q8, qs, k8, ks, *_ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                               warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     if pv_dtype == "fp8":
@@ -435,9 +456,9 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
 
         vt, vs = quantize_v_fp8(v)
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                            return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
+                            return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam)
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                        return_lse=True)
+                        return_lse=True, qk_balance=lam)
 
 
 def flash_attn_varlen_func(
@@ -496,18 +517,22 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
-    if _kernel_quantizes_q(q, granularity) and not balance_qk:
+    lam = None
+    if _kernel_quantizes_q(q, granularity):
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
         _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
-        k8, ks, _ = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K)
+        k8, ks, _, *lam = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K,
+                                                 balance_q=q if balance_qk else None, cu_seqlens_q=cu_seqlens_q,
+                                                 max_seqlen_q=max_seqlen_q)
+        lam = lam[0] if lam else None
     else:
         q8, qs, k8, ks, *_ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                                      warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                               return_lse=True)
+                               return_lse=True, qk_balance=lam)
 
 
 def _kernel_quantizes_q(q: torch.Tensor, granularity: str) -> bool:

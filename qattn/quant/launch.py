@@ -223,7 +223,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
             fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
                          addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks,
                          Hq // Hkv, *strides(k), stream)
-        if seqlen_q > 0:
+        if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
             _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
                                       "q" if qk_balance is not None else None)
             fast(qquant)(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
@@ -378,13 +378,19 @@ def quantize_qk_int8_varlen(
 # ------------------------------------------------------------------------------------------------
 # K only: the prepass of flash_attn_func on SM90, whose attention kernel quantizes Q itself
 # ------------------------------------------------------------------------------------------------
-def quantize_k_int8(k: torch.Tensor, *, smooth_k: bool = True, block_k: int = 128
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_k_int8(k: torch.Tensor, *, smooth_k: bool = True, block_k: int = 128,
+                    balance_q: torch.Tensor | None = None) -> tuple:
     """The K half of :func:`quantize_qk_int8` (launches 1 and 2): ``(k_int8, k_scale, k_mean)``, the same
-    tensors, bytes and scales."""
+    tensors, bytes and scales. ``balance_q``: the Q of ``balance_qk`` (read for its column amax only), then
+    ``(k_int8, k_scale, k_mean, qk_balance)`` equal to the K half of ``quantize_qk_int8(q, k, balance_qk=True)``."""
     if not isinstance(smooth_k, bool):
         raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
     _check_input(k, "k", 4, "(batch, seqlen_k, num_kv_heads, head_dim)")
+    if balance_q is not None:
+        _check_input(balance_q, "balance_q", 4, "(batch, seqlen_q, num_q_heads, head_dim)")
+        _check_pair(balance_q, k)
+        if balance_q.shape[0] != k.shape[0]:
+            raise ValueError(f"k: batch {k.shape[0]} differs from balance_q's batch {balance_q.shape[0]}")
     _check_blocks("per_block", block_k, block_k, block_k)
     B, Sk, Hkv, D = k.shape
     _check_k_only(k, block_k)
@@ -395,23 +401,35 @@ def quantize_k_int8(k: torch.Tensor, *, smooth_k: bool = True, block_k: int = 12
     k_int8 = _alloc((B, Sk, Hkv, D), torch.int8, k.device)
     k_scale = _alloc((B, Hkv, -(-Sk // block_k)), torch.float32, k.device)
     k_mean = _k_mean_out(smooth_k, (B, Hkv, D), Sk, k.device)
+    lam = None if balance_q is None else _alloc((B, Hkv, D), torch.float32, k.device)
     if B > 0:
-        kv = _kernel_view(k)  # seqlen_q = 0: no Q launch (k stands in for q's device and head_dim)
-        _launch_all(kv, kv, batch=B, seqlen_q=0, seqlen_k=Sk, cu_q=None, cu_k=None, granularity="per_block",
+        kv = _kernel_view(k)
+        # no q_int8: no Q launch; without balancing, k stands in for q's device and head_dim (seqlen_q = 0)
+        qv, sq = (kv, 0) if balance_q is None else (_kernel_view(balance_q), balance_q.shape[1])
+        _launch_all(qv, kv, batch=B, seqlen_q=sq, seqlen_k=Sk, cu_q=None, cu_k=None, granularity="per_block",
                     smooth_k=smooth_k, block_q=block_k, warp_q=block_k, block_k=block_k, q_int8=None, q_scale=None,
-                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
-    return k_int8, k_scale, k_mean
+                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean, qk_balance=lam)
+    return (k_int8, k_scale, k_mean) if lam is None else (k_int8, k_scale, k_mean, lam)
 
 
 def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, smooth_k: bool = True,
-                           block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The K half of :func:`quantize_qk_int8_varlen`: ``(k_int8, k_scale, k_mean)``."""
+                           block_k: int = 128, balance_q: torch.Tensor | None = None,
+                           cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> tuple:
+    """The K half of :func:`quantize_qk_int8_varlen`: ``(k_int8, k_scale, k_mean)``; with ``balance_q`` (packed
+    Q, its ``cu_seqlens_q`` and ``max_seqlen_q``) also ``qk_balance``, as in :func:`quantize_k_int8`."""
     if not isinstance(smooth_k, bool):
         raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
     _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
     _check_blocks("per_block", block_k, block_k, block_k)
     _check_cu(cu_seqlens_k, "cu_seqlens_k", k.device)
     n = cu_seqlens_k.shape[0] - 1
+    if balance_q is not None:
+        _check_input(balance_q, "balance_q", 3, "(total_q, num_q_heads, head_dim)")
+        _check_pair(balance_q, k)
+        _check_cu(cu_seqlens_q, "cu_seqlens_q", k.device)
+        if cu_seqlens_q.shape[0] - 1 != n:
+            raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.shape[0] - 1} sequences, cu_seqlens_k has {n}")
+        max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     Hkv, D = k.shape[1], k.shape[2]
     _check_k_only(k, block_k)
@@ -422,13 +440,16 @@ def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seql
     k_int8 = _alloc(tuple(k.shape), torch.int8, k.device)
     k_scale = _alloc((n, Hkv, -(-Sk // block_k)), torch.float32, k.device)
     k_mean = _k_mean_out(smooth_k, (n, Hkv, D), Sk, k.device)
+    lam = None if balance_q is None else _alloc((n, Hkv, D), torch.float32, k.device)
     if n > 0:
         kv = _kernel_view(k)
         cu = cu_seqlens_k.contiguous()
-        _launch_all(kv, kv, batch=n, seqlen_q=0, seqlen_k=Sk, cu_q=cu, cu_k=cu, granularity="per_block",
+        qv, cq, sq = (kv, cu, 0) if balance_q is None else (_kernel_view(balance_q), cu_seqlens_q.contiguous(),
+                                                             max_seqlen_q)
+        _launch_all(qv, kv, batch=n, seqlen_q=sq, seqlen_k=Sk, cu_q=cq, cu_k=cu, granularity="per_block",
                     smooth_k=smooth_k, block_q=block_k, warp_q=block_k, block_k=block_k, q_int8=None, q_scale=None,
-                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean)
-    return k_int8, k_scale, k_mean
+                    k_int8=k_int8, k_scale=k_scale, k_mean=k_mean, qk_balance=lam)
+    return (k_int8, k_scale, k_mean) if lam is None else (k_int8, k_scale, k_mean, lam)
 
 
 def _check_bools(**flags) -> None:

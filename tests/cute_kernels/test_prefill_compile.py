@@ -111,6 +111,26 @@ def test_quantize_q_config():
         PrefillConfig(**base, qk_dtype="bf16", quantize_q=True)
 
 
+@pytest.mark.parametrize("D,varlen,pv", [(128, False, "bf16"), (64, True, "bf16"), (128, False, "fp8")])
+def test_quantize_q_with_channel_balance_compiles(D, varlen, pv):
+    cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", varlen=varlen, pv_dtype=pv,
+                        quantize_q=True, balance_qk=True)
+    ptx = _compile(cfg)
+    values = D // 2  # per lane: half a row of its 16-row group
+    # x * lam (exact) then * inv, both RN; the amax on fp32 products instead of packed 16-bit magnitudes
+    assert ptx_count(ptx, r"mul\.rn\.f32") == 2 * values
+    assert not ptx_has(ptx, r"max\.u16x2") and ptx_has(ptx, r"abs\.f32")
+    assert ptx_has(ptx, r"fence\.proxy\.async\.shared::cta")
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+def test_channel_balance_config():
+    base = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", quantize_q=True)
+    assert PrefillConfig(**base).key != PrefillConfig(**base, balance_qk=True).key
+    with pytest.raises(ValueError, match="balance_qk"):
+        PrefillConfig(**dict(base, quantize_q=False), balance_qk=True)
+
+
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
 def test_int8_scores_take_an_integer_row_max(pv):
     """The row max of the biased int8 scores is an integer max tree (ptxas: 3-input IMNMX), no float max left in

@@ -1,7 +1,7 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
 seqlen_q > 1, a recent window, sink tokens), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal,
-varlen). Run as a script; exits non-zero on a wrong result."""
+varlen; with and without channel balancing). Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -77,14 +77,16 @@ def _prefill(g) -> None:
         print(f"prefill int8-QK causal={causal}: max rel err {err:.2e}")
     for D in (64, 128):  # Q quantized in the kernel (per_warp), FP8 P.V, both tile heights; and the Q prepass
         qd, kd, vd = (t[..., :D].contiguous() for t in (q, k, v))
-        for kw in (dict(pv_dtype="fp8"), dict(granularity="per_block")):
+        for kw in (dict(pv_dtype="fp8"), dict(granularity="per_block"), dict(balance_qk=True),
+                   dict(balance_qk=True, granularity="per_block", smooth_k=False)):
             assert torch.isfinite(qattn.flash_attn_func(qd, kd, vd, causal=True, **kw)).all()
-    print("prefill fp8 P.V / per_block ran")
+    print("prefill fp8 P.V / per_block / channel balance ran")
     lens = [1, 150, 70]
     cu = torch.tensor([0, 1, 151, 221], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(221, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 1, 1))
-    out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)
-    assert torch.isfinite(out).all()
+    for bal in (False, True):
+        out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, balance_qk=bal)
+        assert torch.isfinite(out).all()
     print("prefill varlen ran")
 
 

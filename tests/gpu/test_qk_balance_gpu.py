@@ -148,3 +148,98 @@ def test_heavy_outliers_meet_the_bar_with_balancing(dtype, causal, varlen):
           f"on cos {res[True][0]:.5f} nrmse {res[True][1]:.4f}")
     assert res[True][0] >= 0.999 and res[True][1] <= 0.03, res
     assert res[True][1] < res[False][1], res
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_heavy_outliers_fp8_pv_with_balancing(causal):
+    """FP8 P x V on the "heavy" input: balancing removes the INT8 Q/K share of the error; held to the FP8 P x V
+    bar of random inputs (cos >= 0.999, NRMSE <= 4.5 %, ``test_prefill_gpu.FP8_FORMAT_CASES``)."""
+    import qattn
+    from qattn.reference.attention import attention_reference
+
+    q, k, v = _heavy(2, 1024, 4, 2, 128, torch.bfloat16, seed=8)
+    ref = attention_reference(q, k, v, causal=causal)
+    res = {}
+    for bal in (False, True):
+        o = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype="fp8", balance_qk=bal)
+        cos = float(torch.nn.functional.cosine_similarity(o.double().flatten(), ref.flatten(), dim=0))
+        res[bal] = (cos, float((o.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()))
+    print(f"heavy fp8 P.V causal={causal}: off cos {res[False][0]:.5f} nrmse {res[False][1]:.4f}, "
+          f"on cos {res[True][0]:.5f} nrmse {res[True][1]:.4f}")
+    assert res[True][0] >= 0.999 and res[True][1] <= 0.045, res
+    assert res[True][1] < res[False][1], res
+
+
+# ------------------------------------------------------------------------------------------------
+# flash_attn_func's SM90 per_warp path: K-only balanced prepass + the kernel quantizing q * lam
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sk,hq,hkv,D", [(300, 4, 2, 128), (2600, 2, 1, 64), (1, 8, 8, 128)])
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_k_only_balanced_equals_the_k_half(sk, hq, hkv, D, smooth_k):
+    from qattn.quant.launch import quantize_k_int8
+
+    gen = torch.Generator().manual_seed(sk + D)
+    q = _loud((2, 700, hq, D), torch.bfloat16, gen, q_channels=(1, 2))
+    k = _loud((2, sk, hkv, D), torch.bfloat16, gen, k_channels=(6,), offset=2.0)
+    full = quantize_qk_int8(q, k, smooth_k=smooth_k, balance_qk=True)
+    half = quantize_k_int8(k, smooth_k=smooth_k, balance_q=q)
+    assert len(half) == 4
+    for got, want in zip(half, full[2:]):
+        if want is None:
+            assert got is None
+        else:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _kernel_vs_prepass(q, k, v, causal, pv_dtype="bf16"):
+    import qattn
+    from qattn.interface.prefill import prefill_int8
+    from qattn.quant.v_fp8 import quantize_v_fp8
+
+    got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, balance_qk=True, return_lse=True)
+    q8, qs, k8, ks, _, _ = quantize_qk_int8(q, k, balance_qk=True)
+    if pv_dtype == "fp8":
+        vt, vs = quantize_v_fp8(v)
+        want, want_lse = prefill_int8(q8, qs, k8, ks, vt, causal=causal, return_lse=True, pv_dtype="fp8",
+                                      v_scale=vs, out_dtype=q.dtype)
+    else:
+        want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_quantizing_balanced_q_equals_the_prepass_path(dtype, D, causal):
+    """Bit-identical outputs and LSE: the kernel's q * lam quantization is the balanced Q prepass's."""
+    gen = torch.Generator().manual_seed(D + causal)
+    q = _loud((2, 333, 4, D), dtype, gen, q_channels=(0, 5))
+    q[:, :16] = 0  # an all-zero q group
+    k = _loud((2, 400, 2, D), dtype, gen, k_channels=(9,), offset=3.0)
+    v = _loud((2, 400, 2, D), dtype, gen)
+    _kernel_vs_prepass(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_quantizing_balanced_q_fp8_pv_and_varlen(causal):
+    import qattn
+    from qattn.interface.prefill import prefill_int8_varlen
+
+    gen = torch.Generator().manual_seed(21 + causal)
+    q = _loud((1, 500, 4, 128), torch.bfloat16, gen, q_channels=(3,))
+    k = _loud((1, 520, 2, 128), torch.bfloat16, gen, k_channels=(60,), offset=1.0)
+    v = _loud((1, 520, 2, 128), torch.bfloat16, gen)
+    _kernel_vs_prepass(q, k, v, causal, "fp8")
+    lens_q, lens_k = [1, 300, 0, 199], [5, 300, 17, 198]
+    if causal:
+        lens_k = [max(a, b) for a, b in zip(lens_q, lens_k)]
+    qv = _loud((sum(lens_q), 4, 128), torch.bfloat16, gen, q_channels=(3,))
+    kv = _loud((sum(lens_k), 2, 128), torch.bfloat16, gen, k_channels=(60,), offset=1.0)
+    vv = _loud((sum(lens_k), 2, 128), torch.bfloat16, gen)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    got, got_lse = qattn.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                balance_qk=True, return_lse=True)
+    q8, qs, k8, ks, _, _ = quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, max(lens_q), max(lens_k), balance_qk=True)
+    want, want_lse = prefill_int8_varlen(q8, qs, k8, ks, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         return_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)

@@ -60,6 +60,9 @@ class PrefillConfig:
     # numerics bit for bit), so the prepass only handles K: one read of Q instead of a read, an int8 write and
     # an int8 read
     quantize_q: bool = False
+    # quantize_q only: multiply Q's channels by the prepass's power-of-two channel balance (``balance_qk``,
+    # ``qattn.quant.qk_int8``) before quantizing, as the balanced Q prepass does
+    balance_qk: bool = False
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -85,6 +88,9 @@ class PrefillConfig:
             raise ValueError("pv_dtype: the unquantized QK path (qk_dtype 'bf16') runs P x V in V's dtype only")
         if self.quantize_q and (self.qk_dtype != "int8" or self.granularity != "per_warp"):
             raise ValueError("quantize_q: the kernel quantizes Q only for int8 QK with per_warp q scales")
+        if self.balance_qk and not self.quantize_q:
+            raise ValueError("balance_qk: only the in-kernel Q quantization (quantize_q) applies the balance; a "
+                             "prepass-quantized Q carries it already")
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
@@ -101,4 +107,4 @@ class PrefillConfig:
             qk = (self.v_dtype, "int8")
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
-                self.tile_n, "quantize_q" if self.quantize_q else "q_int8")
+                self.tile_n, "quantize_q" if self.quantize_q else "q_int8") + (("balance_qk",) if self.balance_qk else ())

@@ -205,7 +205,7 @@ class QKInt8PrefillSm90:
         q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        v_scale_addr: Int64, stream: cuda.CUstream,
+        v_scale_addr: Int64, qk_balance_addr: Int64, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -213,7 +213,8 @@ class QKInt8PrefillSm90:
 
         ``pv_dtype="fp8"``: ``v_addr`` is the V prepass's V^T, E4M3 (batch, num_kv_heads, head_dim,
         num_k_blocks * tile_n), and ``v_scale_addr`` its fp32 per-channel scales (batch, num_kv_heads, head_dim);
-        unused (0) otherwise."""
+        unused (0) otherwise. ``balance_qk``: ``qk_balance_addr`` is the prepass's fp32 channel balance (num_seqs,
+        num_kv_heads, head_dim); unused (0) otherwise."""
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -292,9 +293,9 @@ class QKInt8PrefillSm90:
                 sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
         if cutlass.const_expr(self.fp8):
-            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr)
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr)
         else:
-            launcher = self.kernel(*args)
+            launcher = self.kernel(*args, qk_balance_addr)
         launcher.launch(grid=(num_m_blocks, num_heads, num_seqs), block=(self.num_threads, 1, 1), stream=stream,
                         min_blocks_per_mp=1)
 
@@ -309,11 +310,13 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        qk_balance_addr: Int64,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
-                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None)
+                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
+                   qk_balance_addr)
 
     @cute.kernel
     def kernel_fp8(
@@ -325,17 +328,19 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        mma_pv0: cute.TiledMma, v_scale_addr: Int64,
+        mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
-                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr)
+                   seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
+                   qk_balance_addr)
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
               sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
-              num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr):
+              num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
+              qk_balance_addr):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -434,14 +439,14 @@ class QKInt8PrefillSm90:
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
-                          scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout)
+                          scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
                  num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr, q_words,
-                 sQin_layout, sQ_layout):
+                 sQin_layout, sQ_layout, qk_balance_addr):
         """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
         in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
@@ -492,7 +497,12 @@ class QKInt8PrefillSm90:
         q_pipe.consumer_wait(q_cons)
         if cutlass.const_expr(self.int8_qk):
             if cutlass.const_expr(self.quantize_q):
-                q_scale = self._quantize_q(q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q)
+                lam_row = None
+                if cutlass.const_expr(cfg.balance_qk):  # this (sequence, kv head)'s channel balance
+                    lam_row = cute.make_tensor(
+                        cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4) + (b * num_kv_heads + h_kv) * D,
+                        cute.make_layout(D))
+                q_scale = self._quantize_q(q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q, lam_row)
             else:
                 q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
                                            cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
@@ -613,7 +623,7 @@ class QKInt8PrefillSm90:
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
-    def _quantize_q(self, q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q) -> Float32:
+    def _quantize_q(self, q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q, lam_row=None) -> Float32:
         """``quantize_q``: quantize this warp's 16 query rows (its per_warp q-scale group = the rows of its wgmma
         accumulator) from the 16-bit staging tile into the int8 Q tile, and return the group's scale.
 
@@ -622,7 +632,8 @@ class QKInt8PrefillSm90:
         with the product rounded first. The rounding is ``x * inv + 1.5 * 2^23`` (the add rounds to an integer,
         whose low byte is q in two's complement, since |x * inv| <= 127 * (1 + 2^-22)), so no quarter-rate
         float -> int conversion and no clamp (never active). amax on the packed 16-bit magnitudes (their bits
-        order like the values). Two lanes per row, 16-byte chunks ``2i + lane % 2``; offsets come from the two
+        order like the values; with ``balance_qk`` on the fp32 products ``x * lam``, exact, as the balanced
+        prepass computes them). Two lanes per row, 16-byte chunks ``2i + lane % 2``; offsets come from the two
         swizzled layouts. wgmma reads shared memory through the async proxy: a proxy fence, then the
         warpgroup's named barrier."""
         D, TM = self.D, self.cfg.tile_m
@@ -638,19 +649,35 @@ class QKInt8PrefillSm90:
                 w0 = _swizzled_byte_offset(sQin_layout, r, (2 * i + half) * 8, 2) // 4
                 for j in cutlass.range_constexpr(4):
                     rX[j, i] = q_in[w0 + j]
-        mag = Uint32(0)
-        for i in cutlass.range_constexpr(n_chunks):
-            for j in cutlass.range_constexpr(4):
-                mag = _max_u16x2(mag, rX[j, i] & Uint32(0x7FFF7FFF))
-        mag = cute.arch.warp_reduction(mag, _max_u16x2)  # the warp's 16 rows
         widen = bf16x2_to_f32x2 if self.v_dtype is BFloat16 else fp4.f16x2_to_f32x2
-        lo, hi = widen(mag)
-        q_scale = div_rn(cute.arch.fmax(lo, hi), Float32(INT8_MAX))
+
+        def values(i):  # the chunk's 8 values, times the channel balance
+            vals = [x for j in (0, 1, 2, 3) for x in widen(rX[j, i])]
+            if cutlass.const_expr(self.cfg.balance_qk):
+                c0 = (2 * i + half) * 8
+                vals = [mul_rn(x, lam_row[c0 + e]) for e, x in enumerate(vals)]
+            return vals
+
+        if cutlass.const_expr(self.cfg.balance_qk):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(n_chunks):
+                for x in values(i):
+                    amax = cute.arch.fmax(amax, cute.math.absf(x))
+            amax = cute.arch.warp_reduction(amax, cute.arch.fmax)  # the warp's 16 rows
+        else:
+            mag = Uint32(0)
+            for i in cutlass.range_constexpr(n_chunks):
+                for j in cutlass.range_constexpr(4):
+                    mag = _max_u16x2(mag, rX[j, i] & Uint32(0x7FFF7FFF))
+            mag = cute.arch.warp_reduction(mag, _max_u16x2)  # the warp's 16 rows
+            lo, hi = widen(mag)
+            amax = cute.arch.fmax(lo, hi)
+        q_scale = div_rn(amax, Float32(INT8_MAX))
         inv = Float32(0.0)
         if q_scale >= Float32(FP32_MIN_NORMAL):
             inv = fp4.rcp_rn(q_scale)
         for i in cutlass.range_constexpr(n_chunks):
-            p = [mul_rn(x, inv) for j in (0, 1, 2, 3) for x in widen(rX[j, i])]
+            p = [mul_rn(x, inv) for x in values(i)]
             w0 = _swizzled_byte_offset(sQ_layout, r, (2 * i + half) * 8, 1) // 4
             q_out[w0] = _round_s8x4(p[0], p[1], p[2], p[3])
             q_out[w0 + 1] = _round_s8x4(p[4], p[5], p[6], p[7])
