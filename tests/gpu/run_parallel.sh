@@ -12,5 +12,9 @@ timeout $T python -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py 
 timeout $T python -m pytest -q -p no:cacheprovider tests/gpu/test_kv_insert_gpu.py -k "transforms" > $OUT/i1.txt 2>&1 &
 timeout $T python -m pytest -q -p no:cacheprovider tests/gpu/test_kv_insert_gpu.py -k "not transforms" > $OUT/i2.txt 2>&1 &
 timeout $T python -m pytest -q -p no:cacheprovider tests/gpu/test_prefill_gpu.py tests/gpu/test_qk_int8_gpu.py tests/gpu/test_fp4_rows_gpu.py tests/gpu/test_compile_cache_gpu.py > $OUT/p1.txt 2>&1 &
+timeout $T python -m pytest -q -p no:cacheprovider tests/gpu/test_qk_balance_gpu.py > $OUT/p2.txt 2>&1 &
+if [ -n "$SANITIZE" ]; then  # memcheck of the small cases, alongside
+  timeout $T compute-sanitizer --tool memcheck --report-api-errors no python -m tests.gpu.sanitize_small > $OUT/s1.txt 2>&1 &
+fi
 wait
-for f in $OUT/*.txt; do echo "== $f"; grep -E "^FAILED|^ERROR|passed|failed|error" $f | tail -12; done
+for f in $OUT/*.txt; do echo "== $f"; grep -E "^FAILED|^ERROR|passed|failed|error|ERROR SUMMARY|sanitize_small" $f | tail -12; done
