@@ -179,6 +179,13 @@ def _qattn_prefill_prepass(q, k, v, causal):
     return lambda: quantize_k_int8(k)
 
 
+def _qattn_prefill_balanced_prepass(q, k, v, causal):
+    """flash_attn_func(balance_qk=True)'s prepass on SM90: K, with Q's column amax for the channel balance."""
+    from ..quant.launch import quantize_k_int8
+
+    return lambda: quantize_k_int8(k, balance_q=q)
+
+
 def _qattn_prefill_fp8pv_prepass(q, k, v, causal):
     from ..quant.launch import quantize_k_int8
     from ..quant.v_fp8 import quantize_v_fp8
@@ -206,6 +213,9 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
                       if ours else None, "end-to-end"))
         impls.append(("qattn int8-QK", _qattn_prefill_prepass if ours else None, "prepass"))
+        impls.append(("qattn int8-QK balanced", (lambda q, k, v, causal: (
+            lambda: ours(q, k, v, causal=causal, balance_qk=True))) if ours else None, "end-to-end"))
+        impls.append(("qattn int8-QK balanced", _qattn_prefill_balanced_prepass if ours else None, "prepass"))
         impls.append(("qattn 16-bit QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, qk_quant=None)))
                       if ours else None, "kernel"))  # the same kernel unquantized: the A/B of INT8 QK^T
         impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_kernel_only if ours else None, "kernel"))
