@@ -31,13 +31,14 @@ def gpu(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         import qattn.quant.launch as ql
 
-        def fake_prepass(q, k, *, granularity, smooth_k, block_q, warp_q, block_k):
+        def fake_prepass(q, k, *, granularity, smooth_k, block_q, warp_q, block_k, balance_qk=False):
             return quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                                              warp_q=warp_q, block_k=block_k)
+                                              warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
 
-        def fake_k_prepass(k, *, smooth_k, block_k):
-            _, _, k8, ks, km = quantize_qk_int8_reference(k, k, smooth_k=smooth_k, block_k=block_k)
-            return k8, ks, km
+        def fake_k_prepass(k, *, smooth_k, block_k, balance_q=None):
+            out = quantize_qk_int8_reference(k if balance_q is None else balance_q, k, smooth_k=smooth_k,
+                                             block_k=block_k, balance_qk=balance_q is not None)
+            return out[2:]
 
         monkeypatch.setattr(ql, "quantize_qk_int8", fake_prepass)
         monkeypatch.setattr(ql, "quantize_k_int8", fake_k_prepass)
@@ -54,12 +55,14 @@ def _qkv(B=2, Sq=200, Sk=300, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16):
             torch.randn(B, Sk, Hkv, D, generator=g).to(dtype))
 
 
-@pytest.mark.parametrize("D,dtype,causal,gran", [(128, torch.bfloat16, True, "per_warp"),
-                                                 (64, torch.float16, False, "per_block")])
-def test_flash_attn_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran):
+@pytest.mark.parametrize("D,dtype,causal,gran,balance", [(128, torch.bfloat16, True, "per_warp", False),
+                                                         (64, torch.float16, False, "per_block", False),
+                                                         (128, torch.bfloat16, False, "per_warp", True)])
+def test_flash_attn_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran, balance):
     calls = gpu((10, 0))
     q, k, v = _qkv(D=D, dtype=dtype)
-    out, lse = qattn.flash_attn_func(q, k, v, causal=causal, granularity=gran, return_lse=True)
+    # balance_qk: the balanced Q/K prepass (SM100 never quantizes Q in the kernel), the same SM100 kernel
+    out, lse = qattn.flash_attn_func(q, k, v, causal=causal, granularity=gran, return_lse=True, balance_qk=balance)
     assert len(calls) == 1 and calls[0][0] == "sm100"
     _, cfg, args = calls[0]
     assert cfg == PrefillConfigSm100(D, "bf16" if dtype == torch.bfloat16 else "fp16", causal, gran)
