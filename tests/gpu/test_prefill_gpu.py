@@ -285,19 +285,17 @@ def test_kernel_quantized_q_varlen_equals_prepass_q(causal, D):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
-def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
-    """flash_attn_func (K-only prepass, Q quantized in the kernel) == the Q/K prepass + kernel, bit for bit."""
+def assert_flash_attn_func_equals_prepass_path(q, k, v, causal, pv_dtype="bf16", balance_qk=False):
+    """flash_attn_func's output and LSE == those of the Q/K prepass (``quantize_qk_int8``) + ``prefill_int8`` on
+    the int8 Q, bit for bit (on SM90 per_warp, flash_attn_func quantizes Q inside the kernel instead)."""
     import qattn
     from qattn.interface.prefill import prefill_int8
     from qattn.quant import quantize_qk_int8
     from qattn.quant.v_fp8 import quantize_v_fp8
 
-    q, k, v = _inputs(2, 700, 900, 8, 2, 128, torch.float16, outliers="k_offset", seed=13)
-    q = _loud_q(q)
-    got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True)
-    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
+    got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True,
+                                         balance_qk=balance_qk)
+    q8, qs, k8, ks = quantize_qk_int8(q, k, balance_qk=balance_qk)[:4]
     if pv_dtype == "fp8":
         vt, vs = quantize_v_fp8(v)
         want, want_lse = prefill_int8(q8, qs, k8, ks, vt, causal=causal, return_lse=True, pv_dtype="fp8",
@@ -305,6 +303,14 @@ def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
     else:
         want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True)
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
+    """flash_attn_func (K-only prepass, Q quantized in the kernel) == the Q/K prepass + kernel, bit for bit."""
+    q, k, v = _inputs(2, 700, 900, 8, 2, 128, torch.float16, outliers="k_offset", seed=13)
+    assert_flash_attn_func_equals_prepass_path(_loud_q(q), k, v, causal, pv_dtype)
 
 
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from qattn.quant import launch, quantize_qk_int8, quantize_qk_int8_varlen
 from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
+from tests.gpu.test_prefill_gpu import assert_flash_attn_func_equals_prepass_path
 from tests.gpu.test_qk_int8_gpu import (_assert_bits_equal, _assert_int8_equal, _assert_within_ulps, _cu,
                                         _poisoned_alloc)
 
@@ -192,19 +193,7 @@ def test_k_only_balanced_equals_the_k_half(sk, hq, hkv, D, smooth_k):
 
 
 def _kernel_vs_prepass(q, k, v, causal, pv_dtype="bf16"):
-    import qattn
-    from qattn.interface.prefill import prefill_int8
-    from qattn.quant.v_fp8 import quantize_v_fp8
-
-    got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, balance_qk=True, return_lse=True)
-    q8, qs, k8, ks, _, _ = quantize_qk_int8(q, k, balance_qk=True)
-    if pv_dtype == "fp8":
-        vt, vs = quantize_v_fp8(v)
-        want, want_lse = prefill_int8(q8, qs, k8, ks, vt, causal=causal, return_lse=True, pv_dtype="fp8",
-                                      v_scale=vs, out_dtype=q.dtype)
-    else:
-        want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True)
-    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    assert_flash_attn_func_equals_prepass_path(q, k, v, causal, pv_dtype, balance_qk=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
