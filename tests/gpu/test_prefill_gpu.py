@@ -185,13 +185,14 @@ def test_unquantized_qk_path_vs_exact(causal, D):
         assert (ov[None, a:b].double() - r).abs().max() / r.abs().max() <= 1e-2
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("balance_qk", [False, True])
+def test_torch_compile_fullgraph_matches_eager(balance_qk):
     import qattn
 
     q, k, v = _inputs(1, 300, 300, 4, 2, 128, torch.bfloat16, seed=21)
 
     def layer(q, k, v):
-        return qattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return qattn.flash_attn_func(q, k, v, causal=True, return_lse=True, balance_qk=balance_qk)
 
     torch._dynamo.reset()
     o_c, lse_c = torch.compile(layer, fullgraph=True)(q, k, v)

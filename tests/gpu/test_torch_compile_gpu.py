@@ -117,8 +117,8 @@ def test_compiled_flatten_kv_matches_eager():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("smooth_k", [True, False])
-def test_compiled_prepass_matches_eager(smooth_k):
+@pytest.mark.parametrize("smooth_k,balance_qk", [(True, False), (False, False), (True, True)])
+def test_compiled_prepass_matches_eager(smooth_k, balance_qk):
     """quantize_qk_int8 / _varlen / quantize_v_fp8 compiled (their custom ops) == eager, bit for bit."""
     from qattn.quant import quantize_qk_int8, quantize_qk_int8_varlen, quantize_v_fp8
 
@@ -130,14 +130,16 @@ def test_compiled_prepass_matches_eager(smooth_k):
     cu_k = torch.tensor([0, 150, 200], dtype=torch.int32, device=dev)
 
     def prepass(q, k, qv, kv):
-        return (quantize_qk_int8(q, k, smooth_k=smooth_k),
-                quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, 200, 150, smooth_k=smooth_k), quantize_v_fp8(k))
+        return (quantize_qk_int8(q, k, smooth_k=smooth_k, balance_qk=balance_qk),
+                quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, 200, 150, smooth_k=smooth_k, balance_qk=balance_qk),
+                quantize_v_fp8(k))
 
     args = (q, k, q[0].contiguous(), k[0].contiguous())
     eager = prepass(*args)
     comp = torch.compile(prepass, fullgraph=True)(*args)
     torch.cuda.synchronize()
     for e_group, c_group in zip(eager, comp):
+        assert len(e_group) == len(c_group)
         for e, c in zip(e_group, c_group):
             assert (e is None) == (c is None)
             if e is not None:
