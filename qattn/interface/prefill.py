@@ -12,6 +12,7 @@ and emulated on the CPU); anything else a ValueError. What the SM100 kernel lack
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -548,10 +549,11 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 
 
 @register("prefill")
-def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
+def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool = False, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
     V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
-    key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them."""
+    key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them. ``balance_qk``:
+    also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``)."""
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
@@ -571,6 +573,10 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, **_) -> list:
                                  f"{' pv-fp8' if pv == 'fp8' else ''}")
                         out.append(Variant("prefill", (arch,) + cfg.key, label,
                                            lambda cfg=cfg: _build_prefill(cfg, arch)))
+                        if balance_qk and gran == "per_warp":
+                            cfg = dataclasses.replace(cfg, balance_qk=True)
+                            out.append(Variant("prefill", (arch,) + cfg.key, label + " balance_qk",
+                                               lambda cfg=cfg: _build_prefill(cfg, arch)))
                 for varlen in (False, True):  # qk_quant=None, the unquantized A/B path
                     cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity="per_block",
                                         varlen=varlen, qk_dtype="bf16")

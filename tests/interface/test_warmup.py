@@ -185,3 +185,33 @@ def test_warmed_insert_keys_equal_runtime_keys(fmt, window, sink, dtype):
         cache = PagedKVCache(1, 4, 16, 2, D, fmt, recent_window=window, sink_tokens=sink,
                              max_seqs=2 if window or sink else 0, dtype=tdt)
         assert ("kv_insert", "sm_90a") + insert_config_for(cache, tdt).key in warm
+
+
+def test_balance_qk_variants_are_the_runtime_ones(capsys):
+    """--balance-qk adds what flash_attn_func(balance_qk=True) launches on SM90 (per_warp: the K-only prepass with
+    Q's amax + the kernel quantizing q * lam; per_block: the balanced Q/K prepass), nothing without it."""
+    from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+    from qattn.cute_kernels.sm90.qk_int8_kmean import KMeanPartial
+    from qattn.cute_kernels.sm90.qk_int8_quant import QKInt8Quant
+
+    def keys(kind, **kw):
+        return {v.key for v in variants.enumerate_variants(kind, "sm_90a", head_dims=[128], **kw)}
+
+    runtime = {
+        "prefill": {("sm_90a",) + PrefillConfig(head_dim=128, v_dtype=vd, causal=c, granularity="per_warp",
+                                                varlen=vl, pv_dtype=pv, quantize_q=True, balance_qk=True).key
+                    for vd in ("bf16", "fp16") for c in (False, True)
+                    for vl, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8"))},
+        "qk_int8_kmean": {("qk_int8_kmean", "sm_90a") + KMeanPartial(128, b, vl, st).key
+                          for b in (True, False) for vl in (False, True) for st in ("sum_range", "range", "absmax")},
+        "qk_int8_quant": {("qk_int8_quant", "sm_90a") + QKInt8Quant(128, rows, b, mean, vl, bal).key
+                          for b in (True, False) for vl in (False, True)
+                          for rows, mean, bal in ((128, True, "k"), (128, False, "k"), (16, False, "q"),
+                                                  (128, False, "q"))},
+    }
+    for kind, want in runtime.items():
+        plain, balanced = keys(kind), keys(kind, balance_qk=True)
+        assert not (want & plain) and balanced == plain | want, kind
+    assert warmup.main(["--arch", "sm_90a", "--dry-run", "--kernels", "qk_int8_kmean", "--head-dims", "64",
+                        "--balance-qk"]) == 0
+    assert "16 variants" in capsys.readouterr().out

@@ -214,16 +214,18 @@ def _build(cfg: KMeanPartial, arch: str):
 
 
 @register(KIND)
-def _kmean_variants(arch: str, head_dims=None, **_):
-    """The K-mean sums of the default prefill; the range / absmax statistics (``balance_qk``, off by default)
-    compile on first use."""
+def _kmean_variants(arch: str, head_dims=None, balance_qk: bool = False, **_):
+    """The K-mean sums of the default prefill; with ``balance_qk`` also the range / absmax statistics of
+    channel balancing (off by default: they compile on first use)."""
     out = []
     for d in head_dims or [64, 128]:
         if d not in (64, 128, 256):
             continue
         for in_bf16 in (True, False):
             for varlen in (False, True):
-                cfg = KMeanPartial(d, in_bf16, varlen)
-                label = f"{'bf16' if in_bf16 else 'fp16'} D{d}{' varlen' if varlen else ''}"
-                out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+                for stats in STATS if balance_qk else ("sum",):
+                    cfg = KMeanPartial(d, in_bf16, varlen, stats)
+                    label = (f"{'bf16' if in_bf16 else 'fp16'} D{d}{' varlen' if varlen else ''}"
+                             f"{'' if stats == 'sum' else ' ' + stats}")
+                    out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
     return out

@@ -412,9 +412,10 @@ def _build(cfg: QKInt8Quant, arch: str):
 
 
 @register(KIND)
-def _quant_variants(arch: str, head_dims=None, **_):
+def _quant_variants(arch: str, head_dims=None, balance_qk: bool = False, **_):
     """The default prefill configurations: Q per-warp (16 rows), Q per-block / K without smoothing (128 rows),
-    K with smoothing (128 rows); bf16 and fp16; dense and varlen. Other block sizes compile on first use."""
+    K with smoothing (128 rows); bf16 and fp16; dense and varlen; with ``balance_qk`` also their balanced
+    forms (K derives and applies the balance, Q applies it). Other block sizes compile on first use."""
     out = []
     for d in head_dims or [64, 128]:
         if d not in (64, 128, 256):
@@ -422,8 +423,12 @@ def _quant_variants(arch: str, head_dims=None, **_):
         for in_bf16 in (True, False):
             for rows, mean in ((16, False), (128, False), (128, True)):
                 for varlen in (False, True):
-                    cfg = QKInt8Quant(d, rows, in_bf16, mean, varlen)
-                    label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows{rows}{' mean' if mean else ''}"
-                             f"{' varlen' if varlen else ''}")
-                    out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+                    balances = [None]
+                    if balance_qk:  # 128-row groups are K's (and per-block Q's), 16-row ones Q's
+                        balances += ["k", "q"] if (rows == 128 and not mean) else ["k" if mean else "q"]
+                    for bal in balances:
+                        cfg = QKInt8Quant(d, rows, in_bf16, mean, varlen, bal)
+                        label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows{rows}{' mean' if mean else ''}"
+                                 f"{' varlen' if varlen else ''}{' balance ' + bal if bal else ''}")
+                        out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
     return out
