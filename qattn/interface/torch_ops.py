@@ -205,14 +205,14 @@ def flatten_kv_traced(cache: PagedKVCache, layer: int, block_table, cache_seqlen
 
 
 # --- the prefill prepass entry points (qattn.quant) ----------------------------------------------------------
-# A custom op cannot return None: without smooth_k the k_mean slot is an empty tensor, turned back into None by
-# the traced wrappers (the eager functions return None directly).
-# The qk_balance slot (balance_qk) is an empty tensor when balancing is off.
+# A custom op cannot return None: without smooth_k the k_mean slot is an empty tensor (so is qk_balance's
+# without balance_qk), turned back into None / left out by the traced wrappers.
 _QK = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _k_mean_out(k_mean: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    return k_mean if k_mean is not None else like.new_empty((0,), dtype=torch.float32)
+def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """An optional fp32 output as a custom op can return it (None -> an empty tensor)."""
+    return t if t is not None else like.new_empty((0,), dtype=torch.float32)
 
 
 @torch.library.custom_op("qattn::quantize_qk_int8", mutates_args=())
@@ -222,7 +222,7 @@ def quantize_qk_int8_op(q: torch.Tensor, k: torch.Tensor, granularity: str, smoo
 
     qi, qs, ki, ks, km, *lam = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
                                                 warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
-    return qi, qs, ki, ks, _k_mean_out(km, q), _k_mean_out(lam[0] if lam else None, q)
+    return qi, qs, ki, ks, _or_empty(km, q), _or_empty(lam[0] if lam else None, q)
 
 
 @quantize_qk_int8_op.register_fake
@@ -256,7 +256,7 @@ def quantize_qk_int8_varlen_op(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: t
     qi, qs, ki, ks, km, *lam = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                        granularity=granularity, smooth_k=smooth_k, block_q=block_q,
                                                        warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
-    return qi, qs, ki, ks, _k_mean_out(km, q), _k_mean_out(lam[0] if lam else None, q)
+    return qi, qs, ki, ks, _or_empty(km, q), _or_empty(lam[0] if lam else None, q)
 
 
 @quantize_qk_int8_varlen_op.register_fake

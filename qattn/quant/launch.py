@@ -383,8 +383,7 @@ def quantize_k_int8(k: torch.Tensor, *, smooth_k: bool = True, block_k: int = 12
     """The K half of :func:`quantize_qk_int8` (launches 1 and 2): ``(k_int8, k_scale, k_mean)``, the same
     tensors, bytes and scales. ``balance_q``: the Q of ``balance_qk`` (read for its column amax only), then
     ``(k_int8, k_scale, k_mean, qk_balance)`` equal to the K half of ``quantize_qk_int8(q, k, balance_qk=True)``."""
-    if not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_bools(smooth_k=smooth_k)
     _check_input(k, "k", 4, "(batch, seqlen_k, num_kv_heads, head_dim)")
     if balance_q is not None:
         _check_input(balance_q, "balance_q", 4, "(batch, seqlen_q, num_q_heads, head_dim)")
@@ -417,8 +416,7 @@ def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seql
                            cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> tuple:
     """The K half of :func:`quantize_qk_int8_varlen`: ``(k_int8, k_scale, k_mean)``; with ``balance_q`` (packed
     Q, its ``cu_seqlens_q`` and ``max_seqlen_q``) also ``qk_balance``, as in :func:`quantize_k_int8`."""
-    if not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k: expected a bool, got {type(smooth_k).__name__}")
+    _check_bools(smooth_k=smooth_k)
     _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
     _check_blocks("per_block", block_k, block_k, block_k)
     _check_cu(cu_seqlens_k, "cu_seqlens_k", k.device)

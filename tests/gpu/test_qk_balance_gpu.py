@@ -11,7 +11,7 @@ import torch
 
 from qattn.quant import launch, quantize_qk_int8, quantize_qk_int8_varlen
 from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
-from tests.gpu.test_prefill_gpu import assert_flash_attn_func_equals_prepass_path
+from tests.gpu.test_prefill_gpu import _cos, _inputs, _nrmse, assert_flash_attn_func_equals_prepass_path
 from tests.gpu.test_qk_int8_gpu import (_assert_bits_equal, _assert_int8_equal, _assert_within_ulps, _cu,
                                         _poisoned_alloc)
 
@@ -111,18 +111,6 @@ def test_balance_off_is_unchanged():
     _assert_int8_equal(plain[2], ref[2], "k_int8")
 
 
-def _heavy(B, S, Hq, Hkv, D, dtype, seed):
-    """The prefill tests' "heavy" input: K channel offsets, Q channels 0-3 and K channels 5-7 four times louder."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, S, Hq, D, device="cuda", generator=g)
-    k = torch.randn(B, S, Hkv, D, device="cuda", generator=g)
-    v = torch.randn(B, S, Hkv, D, device="cuda", generator=g)
-    k[..., 10:13] += 10.0
-    q[..., :4] *= 4.0
-    k[..., 5:8] *= 4.0
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
@@ -132,7 +120,7 @@ def test_heavy_outliers_meet_the_bar_with_balancing(dtype, causal, varlen):
     import qattn
     from qattn.reference.attention import attention_reference
 
-    q, k, v = _heavy(2, 1024, 4, 2, 128, dtype, seed=7)
+    q, k, v = _inputs(2, 1024, 1024, 4, 2, 128, dtype, outliers="heavy", seed=7)  # the prefill tests' input
     ref = attention_reference(q, k, v, causal=causal)
     res = {}
     for bal in (False, True):
@@ -142,9 +130,7 @@ def test_heavy_outliers_meet_the_bar_with_balancing(dtype, causal, varlen):
                                              causal=causal, balance_qk=bal).view(q.shape)
         else:
             o = qattn.flash_attn_func(q, k, v, causal=causal, balance_qk=bal)
-        cos = float(torch.nn.functional.cosine_similarity(o.double().flatten(), ref.flatten(), dim=0))
-        nrmse = float((o.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-        res[bal] = (cos, nrmse)
+        res[bal] = (_cos(o, ref), _nrmse(o, ref))
     print(f"heavy {dtype} causal={causal} varlen={varlen}: off cos {res[False][0]:.5f} nrmse {res[False][1]:.4f}, "
           f"on cos {res[True][0]:.5f} nrmse {res[True][1]:.4f}")
     assert res[True][0] >= 0.999 and res[True][1] <= 0.03, res
@@ -158,13 +144,12 @@ def test_heavy_outliers_fp8_pv_with_balancing(causal):
     import qattn
     from qattn.reference.attention import attention_reference
 
-    q, k, v = _heavy(2, 1024, 4, 2, 128, torch.bfloat16, seed=8)
+    q, k, v = _inputs(2, 1024, 1024, 4, 2, 128, torch.bfloat16, outliers="heavy", seed=8)
     ref = attention_reference(q, k, v, causal=causal)
     res = {}
     for bal in (False, True):
         o = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype="fp8", balance_qk=bal)
-        cos = float(torch.nn.functional.cosine_similarity(o.double().flatten(), ref.flatten(), dim=0))
-        res[bal] = (cos, float((o.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()))
+        res[bal] = (_cos(o, ref), _nrmse(o, ref))
     print(f"heavy fp8 P.V causal={causal}: off cos {res[False][0]:.5f} nrmse {res[False][1]:.4f}, "
           f"on cos {res[True][0]:.5f} nrmse {res[True][1]:.4f}")
     assert res[True][0] >= 0.999 and res[True][1] <= 0.045, res

@@ -129,6 +129,7 @@ class KMeanPartial:
         hi_max.fill(-Float32.inf if cutlass.const_expr(self.range) else Float32(0.0))
         neg_min.fill(-Float32.inf)
         rX = cute.make_rmem_tensor((4, UNROLL), Uint32)
+        widen = bf16x2_to_f32x2 if self.in_bf16 else fp4.f16x2_to_f32x2
         for step in cutlass.range(begin, end, self.rows_per_step, unroll=1):
             rX.fill(Uint32(0))  # rows past the end add zeros
             for u in cutlass.range_constexpr(UNROLL):
@@ -137,13 +138,11 @@ class KMeanPartial:
                     src = base + Int64(row) * stride_s * Int64(2)
                     cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, u])
             for u in cutlass.range_constexpr(UNROLL):
+                words = [widen(rX[w, u]) for w in range(4)]  # exact widening of the row's 8 values
                 for w in cutlass.range_constexpr(4):
-                    if cutlass.const_expr(self.in_bf16):
-                        lo, hi = bf16x2_to_f32x2(rX[w, u])
-                    else:
-                        lo, hi = fp4.f16x2_to_f32x2(rX[w, u])
+                    lo, hi = words[w]
                     if cutlass.const_expr(self.sums):
-                        acc[2 * w] = acc[2 * w] + Float64(lo)  # exact widening, exact sums (module docstring)
+                        acc[2 * w] = acc[2 * w] + Float64(lo)  # exact sums (module docstring)
                         acc[2 * w + 1] = acc[2 * w + 1] + Float64(hi)
                     if cutlass.const_expr(self.absmax):
                         hi_max[2 * w] = cute.arch.fmax(hi_max[2 * w], cute.math.absf(lo))
@@ -151,10 +150,7 @@ class KMeanPartial:
                 if cutlass.const_expr(self.range):
                     if step + u * RPP + rip < end:  # zeros of missing rows must not enter a max / min
                         for w in cutlass.range_constexpr(4):
-                            if cutlass.const_expr(self.in_bf16):
-                                lo, hi = bf16x2_to_f32x2(rX[w, u])
-                            else:
-                                lo, hi = fp4.f16x2_to_f32x2(rX[w, u])
+                            lo, hi = words[w]
                             hi_max[2 * w] = cute.arch.fmax(hi_max[2 * w], lo)
                             hi_max[2 * w + 1] = cute.arch.fmax(hi_max[2 * w + 1], hi)
                             neg_min[2 * w] = cute.arch.fmax(neg_min[2 * w], -lo)
@@ -162,9 +158,12 @@ class KMeanPartial:
 
         # combine the RPP threads of each column, in a fixed order
         smem = cutlass.memory.SmemAllocator()
-        sAcc = smem.allocate_tensor(Float64, cute.make_layout((D, RPP), stride=(1, D)), byte_alignment=16)
-        sMax = smem.allocate_tensor(Float32, cute.make_layout((D, RPP, 2), stride=(1, D, D * RPP)),
-                                    byte_alignment=16)
+        sAcc, sMax = None, None
+        if cutlass.const_expr(self.sums):
+            sAcc = smem.allocate_tensor(Float64, cute.make_layout((D, RPP), stride=(1, D)), byte_alignment=16)
+        if cutlass.const_expr(self.range or self.absmax):
+            sMax = smem.allocate_tensor(Float32, cute.make_layout((D, RPP, 2), stride=(1, D, D * RPP)),
+                                        byte_alignment=16)
         for i in cutlass.range_constexpr(8):
             if cutlass.const_expr(self.sums):
                 sAcc[part * 8 + i, rip] = acc[i]

@@ -262,7 +262,9 @@ class QKInt8Quant:
         sAmax = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(self.groups_per_cta), byte_alignment=16)
         sMean = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
-        sLam = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)  # the factor x is scaled by
+        sLam = None  # balance: the factor x is scaled by
+        if cutlass.const_expr(self.balance is not None):
+            sLam = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
         if tidx < self.groups_per_cta:
             sAmax[tidx] = Float32(0.0)
         bh = Int64(b) * Int64(num_heads) + Int64(head)
