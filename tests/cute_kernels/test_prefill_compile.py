@@ -184,3 +184,19 @@ def test_unquantized_qk_variant_uses_16bit_wgmma_only(D, causal, varlen):
     # Q K^T: D/16 k-steps (m64n128k16), P V: 8 k-steps (m64n{D}k16), prologue/epilogue + loop each
     assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2 * (D // 16) + (16 if D == 128 else 0)
     assert not ptx_has(ptx, "ld.local")
+
+
+@pytest.mark.parametrize("D,pv", [(128, "bf16"), (64, "bf16"), (128, "fp8")])
+def test_early_kv_wait_tests_barriers_without_blocking(D, pv):
+    """head_dim 128 with 16-bit P x V tests the next K / V tiles' barriers during the softmax (mbarrier.test_wait,
+    which never suspends the warp); the other variants keep the plain waits (slower there on the H100)."""
+    cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv)
+    assert cfg.early_kv_wait == (D == 128 and pv == "bf16")
+    ptx = _compile(cfg)
+    # first tile + loop: K and V each
+    assert ptx_count(ptx, "mbarrier.test_wait") == (4 if cfg.early_kv_wait else 0)
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+    off = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv,
+                        early_kv_wait=False)
+    assert (off.key != cfg.key) == cfg.early_kv_wait
+
