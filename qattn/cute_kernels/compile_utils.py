@@ -44,9 +44,9 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 def device_arch(device: Any = None) -> str:
     """The arch string for a CUDA device (``sm_90a`` for an H100), as compile_for_arch takes it."""
-    import torch
+    from ..interface.variants import device_capability
 
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 

@@ -13,13 +13,14 @@ and emulated on the CPU); anything else a ValueError. What the SM100 kernel lack
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
 import torch
 
 from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
-from .fast_launch import fast
+from .fast_launch import fast, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
@@ -137,12 +138,10 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
     def addr(t):
         return 0 if t is None else t.data_ptr()
 
-    with torch.cuda.device(dev):
-        kern = cache_for("prefill").get((arch,) + cfg.key, lambda: _build_prefill(cfg, arch))
-        fast(kern)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
+    with on_device(dev):
+        _prefill_kernel(arch, cfg)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
                    addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-                   softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
-                   torch.cuda.current_stream(dev).cuda_stream)
+                   softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance), stream_handle(dev))
 
 
 def prefill_int8(
@@ -244,9 +243,9 @@ def prefill_int8(
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
-    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
-                        pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
-                        **(_tuning or {}))  # _tuning: A/B overrides
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
+                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
+                  **(_tuning or {}))  # _tuning: A/B overrides
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
@@ -326,8 +325,8 @@ def prefill_int8_varlen(
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
-    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
-                        varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, **(_tuning or {}))
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
+                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
@@ -353,8 +352,8 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
-    cfg = PrefillConfig(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
-                        varlen=varlen, qk_dtype="bf16")
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
+                  varlen=varlen, qk_dtype="bf16")
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty_like(q)
     if varlen:
@@ -534,6 +533,18 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                return_lse=True, qk_balance=lam)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_kernel(arch: str, cfg: PrefillConfig):
+    """The launcher of ``cfg``'s compiled kernel (the compile cache's lookup and key, once per config)."""
+    return fast(cache_for("prefill").get((arch,) + cfg.key, lambda: _build_prefill(cfg, arch)))
+
+
+@functools.lru_cache(maxsize=256)
+def _config(*args, **kwargs) -> PrefillConfig:
+    """``PrefillConfig(...)``, remembered (its checks cost ~6 µs per call)."""
+    return PrefillConfig(*args, **kwargs)
 
 
 def _kernel_quantizes_q(q: torch.Tensor, granularity: str) -> bool:

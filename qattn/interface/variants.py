@@ -54,12 +54,26 @@ def cache_for(kind: str) -> CompileCache:
     return _CACHES[kind]
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, remembered per CUDA device index (it cannot change; the
+    query costs ~5 µs, and an eager ``flash_attn_func`` asked it five times)."""
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+        cap = _CAPABILITY.get(device.index)
+        if cap is None:
+            cap = _CAPABILITY[device.index] = tuple(torch.cuda.get_device_capability(device))
+        return cap
+    return tuple(torch.cuda.get_device_capability(device))
+
+
 def kernel_arch(device, kernels: str) -> str:
     """The arch whose ``kernels`` (e.g. "decode") a call on ``device`` runs: compute capability 10.x ->
     "sm_100a" (Blackwell kernels, never run on hardware here), 9.0 -> "sm_90a", anything else a clear error."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device)
     if major == 10:
         return "sm_100a"
     if (major, minor) != (9, 0):

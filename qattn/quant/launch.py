@@ -27,6 +27,8 @@ first (``.contiguous()``). Outputs are fresh contiguous tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .qk_int8 import _check_blocks, _num_groups
@@ -109,12 +111,16 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------
 # compiled kernels
 # ------------------------------------------------------------------------------------------------
+# The kernel lookups below are remembered per argument tuple: building the config object and its cache key costs
+# microseconds on every eager call otherwise. They return (config, launcher).
+@functools.lru_cache(maxsize=None)
 def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subtract_mean: bool, varlen: bool,
                   balance=None):
     from ..cute_kernels.sm90 import qk_int8_quant as m
+    from ..interface.fast_launch import fast
 
     cfg = m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen, balance)
-    return cfg, m.compiled_quant(cfg, arch)
+    return cfg, fast(m.compiled_quant(cfg, arch))
 
 
 def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[torch.Tensor, int]:
@@ -126,18 +132,25 @@ def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[tor
     if num_chunks == 1:
         return partial, 1
     total = _alloc((B, H, 1, D), partial.dtype, partial.device)
-    kern = m.compiled_chunk_reduce(m.ChunkReduce(D, op), arch)
-    from ..interface.fast_launch import fast
-
-    fast(kern)(partial.data_ptr(), total.data_ptr(), B, H, num_chunks, stream)
+    _chunk_reduce_kernel(arch, D, op)(partial.data_ptr(), total.data_ptr(), B, H, num_chunks, stream)
     return total, 1
 
 
+@functools.lru_cache(maxsize=None)
+def _chunk_reduce_kernel(arch: str, head_dim: int, op: str):
+    from ..cute_kernels.sm90 import chunk_reduce as m
+    from ..interface.fast_launch import fast
+
+    return fast(m.compiled_chunk_reduce(m.ChunkReduce(head_dim, op), arch))
+
+
+@functools.lru_cache(maxsize=None)
 def _kmean_kernel(arch: str, head_dim: int, in_bf16: bool, varlen: bool, stats: str = "sum"):
     from ..cute_kernels.sm90 import qk_int8_kmean as m
+    from ..interface.fast_launch import fast
 
     cfg = m.KMeanPartial(head_dim, in_bf16, varlen, stats)
-    return cfg, m.compiled_kmean(cfg, arch)
+    return cfg, fast(m.compiled_kmean(cfg, arch))
 
 
 def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -168,7 +181,7 @@ def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple
 def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, granularity: str, smooth_k: bool,
                 block_q: int, warp_q: int, block_k: int, q_int8, q_scale, k_int8, k_scale, k_mean,
                 qk_balance=None) -> None:
-    from ..interface.fast_launch import fast
+    from ..interface.fast_launch import on_device, stream_handle
     from ..interface.variants import supported_arch
 
     varlen = cu_q is not None
@@ -185,16 +198,16 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
         return (0, s[0], s[1]) if varlen else tuple(s)
 
     balance = qk_balance is not None
-    with torch.cuda.device(dev):
+    with on_device(dev):
         arch = supported_arch(dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = stream_handle(dev)
         q_amax = None
         if balance:
             if seqlen_q > 0 and seqlen_k > 0:  # column amax of Q (per q head; the K kernel takes the group's max)
                 qcfg, qstats = _kmean_kernel(arch, D, q.dtype == torch.bfloat16, varlen, "absmax")
                 nc, chunk_rows = _k_chunks(seqlen_q, batch * Hq, qcfg.rows_per_step, _num_sms(dev))
                 q_amax = _alloc((batch, Hq, nc, D), torch.float32, dev)
-                fast(qstats)(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows,
+                qstats(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows,
                              *strides(q), stream)
                 q_amax, _ = _fold_chunks(q_amax, "max_f32", arch, stream)
             else:  # no rows on one side: every lam is 1
@@ -212,7 +225,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     partial = _alloc((batch, Hkv, nc, D), torch.float64, dev)
                 if balance:
                     k_range = _alloc((batch, Hkv * 2, nc, D), torch.float32, dev)  # (B, H, 2, chunks, D)
-                fast(kmean)(addr(k), addr(partial), addr(k_range), addr(cu_k), batch, seqlen_k, Hkv, nc, chunk_rows,
+                kmean(addr(k), addr(partial), addr(k_range), addr(cu_k), batch, seqlen_k, Hkv, nc, chunk_rows,
                             *strides(k), stream)
                 if smooth_k:
                     partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
@@ -220,21 +233,28 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
                                       "k" if balance else None)
-            fast(kquant)(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
+            kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
                          addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks,
                          Hq // Hkv, *strides(k), stream)
         if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
             _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
                                       "q" if qk_balance is not None else None)
-            fast(qquant)(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
+            qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
                          addr(qk_balance), batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)
 
 
-def _check_group_sizes(D: int, granularity: str, block_q: int, warp_q: int, block_k: int) -> None:
+@functools.lru_cache(maxsize=None)
+def _check_group(head_dim: int, group_rows: int) -> None:
+    """Raises for quantization groups too large for a CTA (the quantize kernel's own check; valid sizes are
+    remembered, errors are not)."""
     from ..cute_kernels.sm90.qk_int8_quant import QKInt8Quant
 
-    QKInt8Quant(D, block_q if granularity == "per_block" else warp_q)  # raises for groups too large for a CTA
-    QKInt8Quant(D, block_k)
+    QKInt8Quant(head_dim, group_rows)
+
+
+def _check_group_sizes(D: int, granularity: str, block_q: int, warp_q: int, block_k: int) -> None:
+    _check_group(D, block_q if granularity == "per_block" else warp_q)
+    _check_group(D, block_k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,14 +477,12 @@ def _check_bools(**flags) -> None:
 
 
 def _check_k_only(k: torch.Tensor, block_k: int) -> None:
-    from ..cute_kernels.sm90.qk_int8_quant import QKInt8Quant
-
     if not k.is_cuda:
         raise ValueError(f"k: expected a CUDA tensor, got device {k.device} "
                          "(use qattn.quant.quantize_qk_int8_reference on the CPU)")
     if k.shape[-2] > _MAX_GRID_YZ:
         raise ValueError(f"k: at most {_MAX_GRID_YZ} heads (grid limit), got {k.shape[-2]}")
-    QKInt8Quant(k.shape[-1], block_k)  # raises for groups too large for a CTA
+    _check_group(k.shape[-1], block_k)
 
 
 def _k_mean_out(smooth_k: bool, shape: tuple, seqlen_k: int, dev) -> torch.Tensor | None:
