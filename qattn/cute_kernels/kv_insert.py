@@ -56,7 +56,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 import torch
 
 from qattn.cute_kernels.common import fp4
-from qattn.interface.fast_launch import fast
+from qattn.interface.fast_launch import fast, stream_handle
 from qattn.interface.variants import Variant, cache_for, register
 from qattn.layouts.formats import KVFormat, kv_format
 from qattn.quant.transforms import ROPE_STYLES, _scale_const
@@ -684,7 +684,7 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
     max_position = int(cos_sin.shape[0]) if cos_sin is not None else 1
     fast(_compiled(cfg, arch))(*ptrs, T_, H, page_size, max(window, 1), num_blocks * H * page_size,
                                max_seqs * H * max(window, 1), max_seqs * H * max(sink_tokens, 1), max_position,
-                               torch.cuda.current_stream().cuda_stream)
+                               stream_handle(k.device))
 
 
 # ==================================================================================================

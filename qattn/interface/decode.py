@@ -16,7 +16,7 @@ import torch
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
-from .fast_launch import fast
+from .fast_launch import fast, on_device, stream_handle
 from .variants import cache_for, kernel_arch
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
@@ -222,8 +222,8 @@ def _flash_attn_with_kvcache_eager(
     def addr(t):
         return 0 if t is None else t.data_ptr()
 
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
+    with on_device(dev):
+        stream = stream_handle(dev)
         if split:
             o_part = torch.empty((num_splits, B, Sq, Hq, D), dtype=torch.float32, device=dev)
             l_part = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=dev)

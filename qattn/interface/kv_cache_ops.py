@@ -12,6 +12,7 @@ import torch
 
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import RoPE
+from .fast_launch import on_device
 from .torch_ops import write_kv_traced  # registers the custom ops
 
 __all__ = ["write_kv", "flatten_kv", "inspect_kv"]
@@ -140,7 +141,7 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     if n == 0:
         return
     cfg = insert_config_for(cache, k.dtype, rope, k_mean is not None)
-    with torch.cuda.device(dev):
+    with on_device(dev):
         arch = supported_arch(dev)
         k16, v16 = _aligned16(k), _aligned16(v)
         slots = slot_mapping.contiguous()

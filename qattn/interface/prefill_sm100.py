@@ -67,11 +67,11 @@ def _kernel(cfg):
 
 def _launch(cfg, args: tuple, device: torch.device) -> None:
     """Launch on torch's current stream of ``device`` (``args``: the kernel's arguments before the stream)."""
-    from .fast_launch import fast
+    from .fast_launch import fast, on_device, stream_handle
 
     kern = _kernel(cfg)
-    with torch.cuda.device(device):
-        fast(kern)(*args, torch.cuda.current_stream(device).cuda_stream)
+    with on_device(device):
+        fast(kern)(*args, stream_handle(device))
 
 
 def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,

@@ -98,7 +98,7 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
     they are when 16-byte aligned, otherwise ``v`` is copied)."""
     from ..cute_kernels.sm90 import v_fp8_quant as m
-    from ..interface.fast_launch import fast
+    from ..interface.fast_launch import fast, on_device, stream_handle
     from ..interface.variants import supported_arch
     from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
 
@@ -126,9 +126,9 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     v = _kernel_view(v)
     sb, ss, sh = _strides(v)
     in_bf16 = v.dtype == torch.bfloat16
-    with torch.cuda.device(dev):
+    with on_device(dev):
         arch = supported_arch(dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = stream_handle(dev)
         acfg = m.VAmaxPartial(D, in_bf16)
         amax_k = m.compiled_amax(acfg, arch)
         tq = m.compiled_transpose(m.VFp8TransposeQuant(D, in_bf16), arch)
