@@ -40,6 +40,9 @@ _HEAD_DIMS = (64, 128, 256)
 _MAX_GRID_YZ = 65535
 _MAX_I32 = 2**31 - 1
 _MAX_K_CHUNKS = 64  # partial sums per (sequence, head) column, added up once by ChunkReduce
+# up to this many chunks the K quantize kernel adds the partial sums itself (every CTA, the same fixed order as
+# ChunkReduce, so the same mean): one launch less where the sequence is short
+_SUM_IN_QUANT_MAX_CHUNKS = 8
 _MIN_CHUNK_ROWS = 256
 _NUM_SMS: dict = {}
 
@@ -227,8 +230,10 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     k_range = _alloc((batch, Hkv * 2, nc, D), torch.float32, dev)  # (B, H, 2, chunks, D)
                 kmean(addr(k), addr(partial), addr(k_range), addr(cu_k), batch, seqlen_k, Hkv, nc, chunk_rows,
                             *strides(k), stream)
-                if smooth_k:
+                if smooth_k and nc > _SUM_IN_QUANT_MAX_CHUNKS:
                     partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
+                elif smooth_k:  # few chunks: the quantize kernel adds them itself, in the same order
+                    num_chunks = nc
                 if balance:
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
             _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,

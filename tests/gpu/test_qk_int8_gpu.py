@@ -183,6 +183,27 @@ def test_long_k_several_chunks(sk, hkv):
     _check_dense(q, k, got)
 
 
+@pytest.mark.parametrize("sk,hkv,varlen", [(700, 2, False), (2048, 4, False), (5000, 1, False), (3000, 2, True)])
+def test_chunk_sums_added_by_the_quantize_kernel_or_chunk_reduce_alike(monkeypatch, sk, hkv, varlen):
+    # up to _SUM_IN_QUANT_MAX_CHUNKS partial sums the K quantize kernel adds them itself, above it ChunkReduce
+    # does (one launch more): the same order, so the same mean and bytes, whichever path runs
+    gen = torch.Generator().manual_seed(sk + hkv)
+    k = _rand((1, sk, hkv, 128), torch.bfloat16, gen, outliers=True, bias=20.0)
+    outs = []
+    for limit in (0, 1 << 20):
+        monkeypatch.setattr(launch, "_SUM_IN_QUANT_MAX_CHUNKS", limit)
+        if varlen:
+            cu = _cu([sk // 3, sk - sk // 3])
+            outs.append(launch.quantize_k_int8_varlen(k[0], cu, sk - sk // 3))
+        else:
+            outs.append(launch.quantize_k_int8(k))
+    nc = launch._k_chunks(sk, hkv * (2 if varlen else 1), 8, launch._num_sms(k.device))[0]
+    assert nc > 1, "the shape must give several chunks"
+    for a, b, name in zip(outs[0], outs[1], ("k_int8", "k_scale", "k_mean")):
+        assert torch.equal(a.view(torch.int8) if a.dtype == torch.int8 else a.view(torch.int32),
+                           b.view(torch.int8) if b.dtype == torch.int8 else b.view(torch.int32)), name
+
+
 def test_zero_tiny_and_constant_groups():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 96, 2, 128, generator=gen)
