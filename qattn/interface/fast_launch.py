@@ -101,4 +101,3 @@ def on_device(device):
     if isinstance(device, torch.device) and device.index is not None and device.index == torch.cuda.current_device():
         return _SAME
     return torch.cuda.device(device)
-
