@@ -538,10 +538,10 @@ class QKInt8PrefillSm90:
         # are derived from the tile index (no state object is carried across the staged branches).
         wg = ctid // 128
         early = cfg.early_kv_wait
-        # try-wait tokens of the next K tile and of the V tile the next P V reads, taken while this warp is busy
-        # with the softmax: the blocking wait before the MMAs is skipped when the tile had landed by then
-        k_tok = cutlass.Boolean(False)
-        v_tok = cutlass.Boolean(False)
+        # tokens of the next K tile and of the V tile the next P V reads, tested while this warp is busy with the
+        # softmax: the blocking wait before the MMAs is skipped when the tile had landed by then (None: always wait)
+        k_tok = cutlass.Boolean(False) if early else None
+        v_tok = cutlass.Boolean(False) if early else None
         if n_blocks > 0:
             if wg == self.nw - 1:  # warpgroup 0 takes the first turn
                 self._turn_done(0)
@@ -561,12 +561,8 @@ class QKInt8PrefillSm90:
             st = _consumer_state(n, cfg.kv_stages)
             st_prev = _consumer_state(n - 1, cfg.kv_stages)
             self._my_turn(wg)
-            if cutlass.const_expr(early):
-                self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
-            else:
-                self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev)
+            self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
+            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
             self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
             k_pipe.consumer_release(st)
@@ -599,10 +595,7 @@ class QKInt8PrefillSm90:
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
-            if cutlass.const_expr(early):
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
-            else:
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st)
+            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
             if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
                 self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
