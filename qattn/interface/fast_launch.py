@@ -11,6 +11,7 @@ compiled function's own signature, so a kernel whose signature changes cannot be
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Any
@@ -82,15 +83,7 @@ def stream_handle(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-class _Same:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_SAME = _Same()
+_SAME = contextlib.nullcontext()  # reusable
 
 
 def on_device(device):

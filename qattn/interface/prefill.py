@@ -139,9 +139,10 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         return 0 if t is None else t.data_ptr()
 
     with on_device(dev):
-        _prefill_kernel(arch, cfg)(addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale),
-                   addr(cu_q), addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-                   softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance), stream_handle(dev))
+        _prefill_kernel(arch, cfg)(
+            addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
+            addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
+            softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance), stream_handle(dev))
 
 
 def prefill_int8(

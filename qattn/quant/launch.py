@@ -115,15 +115,15 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 # compiled kernels
 # ------------------------------------------------------------------------------------------------
 # The kernel lookups below are remembered per argument tuple: building the config object and its cache key costs
-# microseconds on every eager call otherwise. They return (config, launcher).
+# microseconds on every eager call otherwise. They return the launcher (_kmean_kernel also its config, whose
+# rows_per_step sizes the chunks).
 @functools.lru_cache(maxsize=None)
 def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subtract_mean: bool, varlen: bool,
                   balance=None):
     from ..cute_kernels.sm90 import qk_int8_quant as m
     from ..interface.fast_launch import fast
 
-    cfg = m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen, balance)
-    return cfg, fast(m.compiled_quant(cfg, arch))
+    return fast(m.compiled_quant(m.QKInt8Quant(head_dim, group_rows, in_bf16, subtract_mean, varlen, balance), arch))
 
 
 def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[torch.Tensor, int]:
@@ -236,13 +236,13 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     num_chunks = nc
                 if balance:
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
-            _, kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
+            kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
                                       "k" if balance else None)
             kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
                          addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks,
                          Hq // Hkv, *strides(k), stream)
         if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
-            _, qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
+            qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
                                       "q" if qk_balance is not None else None)
             qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
                          addr(qk_balance), batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)

@@ -19,6 +19,8 @@ channel's amax: per-channel scaling keeps channels with large values (V outlier 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
@@ -91,14 +93,25 @@ def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _v_kernels(arch: str, head_dim: int, in_bf16: bool):
+    """(rows_per_step of the amax kernel, amax launcher, transpose launcher), remembered per argument tuple like
+    the Q/K prepass's kernel lookups (``qattn.quant.launch``)."""
+    from ..cute_kernels.sm90 import v_fp8_quant as m
+    from ..interface.fast_launch import fast
+
+    acfg = m.VAmaxPartial(head_dim, in_bf16)
+    return (acfg.rows_per_step, fast(m.compiled_amax(acfg, arch)),
+            fast(m.compiled_transpose(m.VFp8TransposeQuant(head_dim, in_bf16), arch)))
+
+
 def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The V prepass on the GPU (:mod:`qattn.cute_kernels.sm90.v_fp8_quant`, two launches on the current
     stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte.
 
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
     they are when 16-byte aligned, otherwise ``v`` is copied)."""
-    from ..cute_kernels.sm90 import v_fp8_quant as m
-    from ..interface.fast_launch import fast, on_device, stream_handle
+    from ..interface.fast_launch import on_device, stream_handle
     from ..interface.variants import supported_arch
     from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
 
@@ -129,13 +142,11 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with on_device(dev):
         arch = supported_arch(dev)
         stream = stream_handle(dev)
-        acfg = m.VAmaxPartial(D, in_bf16)
-        amax_k = m.compiled_amax(acfg, arch)
-        tq = m.compiled_transpose(m.VFp8TransposeQuant(D, in_bf16), arch)
-        num_chunks, chunk_rows = _k_chunks(Sk, B * H, acfg.rows_per_step, _num_sms(dev))
+        rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16)
+        num_chunks, chunk_rows = _k_chunks(Sk, B * H, rows_per_step, _num_sms(dev))
         partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
-        fast(amax_k)(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, stream)
+        amax_k(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, stream)
         partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
-        fast(tq)(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
-                 sk_pad // V_TILE, sb, ss, sh, stream)
+        tq(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
+           sk_pad // V_TILE, sb, ss, sh, stream)
     return vt.view(torch.float8_e4m3fn), scale
