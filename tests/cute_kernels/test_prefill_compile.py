@@ -200,3 +200,24 @@ def test_early_kv_wait_tests_barriers_without_blocking(D, pv):
                         early_kv_wait=False)
     assert (off.key != cfg.key) == cfg.early_kv_wait
 
+
+
+@pytest.mark.parametrize("D,pv", [(128, "bf16"), (64, "bf16"), (128, "fp8"), (64, "fp8")])
+def test_bias_in_acc_replaces_the_per_score_add(D, pv):
+    """FP8 P x V and head_dim 64 set the score registers to the bias bits before QK^T accumulates onto them: no
+    integer add per score is left (64 per tile otherwise, first tile and loop); head_dim 128 with 16-bit P x V
+    keeps the adds (faster there on the H100)."""
+    cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv)
+    assert cfg.bias_in_acc == (pv == "fp8" or D == 64)
+    ptx = _compile(cfg)
+    assert ptx_count(ptx, r"add\.s32\s+%r\d+, %r\d+, 1262485504;") == (0 if cfg.bias_in_acc else 2 * 64)
+    assert ptx_has(ptx, "1262485504")  # 0x4B400000
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+    flipped = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv,
+                            bias_in_acc=not cfg.bias_in_acc)
+    assert flipped.key != cfg.key
+    assert not PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp",
+                             qk_dtype="bf16").bias_in_acc
+    with pytest.raises(ValueError, match="bias_in_acc"):
+        PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", qk_dtype="bf16",
+                      bias_in_acc=True)

@@ -314,6 +314,26 @@ def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
     assert_flash_attn_func_equals_prepass_path(_loud_q(q), k, v, causal, pv_dtype)
 
 
+@pytest.mark.parametrize("D,pv_dtype,causal", [(128, "bf16", True), (64, "bf16", False), (128, "fp8", True),
+                                                (64, "fp8", False)])
+def test_bias_in_acc_gives_identical_outputs(D, pv_dtype, causal):
+    """QK^T accumulating onto the score bias (``PrefillConfig.bias_in_acc``) == adding the bias after it, bit for
+    bit: ragged lengths (masked tiles), in-kernel Q quantization and the prepass's int8 Q, GQA."""
+    from qattn.interface.prefill import prefill_int8
+    from qattn.quant.v_fp8 import quantize_v_fp8
+
+    q, k, v = _inputs(2, 333, 1000, 4, 2, D, torch.bfloat16, outliers="heavy", seed=D + 3)
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    kw = dict(causal=causal, return_lse=True, pv_dtype=pv_dtype)
+    if pv_dtype == "fp8":
+        v, vs = quantize_v_fp8(v)
+        kw.update(v_scale=vs, out_dtype=torch.bfloat16)
+    for qq, ss in ((q, None), (q8, qs)):
+        outs = [prefill_int8(qq, ss, k8, ks, v, **kw, _tuning={"bias_in_acc": on}) for on in (False, True)]
+        assert torch.isfinite(outs[0][0]).all()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------
 # Kernel error: vs ``prefill_fp8pv_emulation`` on the same int8 Q/K and E4M3 V (tight: only accumulation order,
 # ex2.approx and the output rounding differ). Format error: vs exact fp64 attention (FP8 P and V cost ~3.5% NRMSE,

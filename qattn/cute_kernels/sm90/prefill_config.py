@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS"]
+__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "default_bias_in_acc",
+           "default_early_kv_wait"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -41,6 +42,15 @@ def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
     D128 S8K 0.986 / 0.992x the time, causal 0.986 / 0.973x, S16K 0.974 / 0.980x, S2K 0.980 / 0.978x; not at D64
     (three MMA warpgroups: S8K 1.11x, causal 1.02x) nor with FP8 P x V (1.01x)."""
     return head_dim == 128 and pv_dtype == "bf16"
+
+
+def default_bias_in_acc(head_dim: int, pv_dtype: str = "bf16") -> bool:
+    """FP8 P x V, and head_dim 64 (int8 QK only). H100, kernel only, CUDA graph, interleaved A/B, B2 H16, outputs
+    bit-identical: FP8 P x V D128 S8K 0.969x the time, causal 0.956x, S16K 0.980x, D64 S8K 0.927x, causal 0.979x;
+    16-bit P x V D64 S8K 0.973 / 0.975x, causal 1.001x, S16K 0.998x; not at D128 with 16-bit P x V (S8K 0.990 /
+    1.003x, causal 1.028 / 1.003x, S16K 1.001x, S2K 1.006x: ptxas sinks the 64 register fills to just before the
+    QK wgmma, where they lengthen the issue as much as the adds they replace)."""
+    return pv_dtype == "fp8" or head_dim == 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,10 @@ class PrefillConfig:
     # test (without blocking) during the softmax whether the next K tile and the V tile of the next P V have
     # landed, so the waits before the MMAs are skipped when they have. None: ``default_early_kv_wait``
     early_kv_wait: Optional[bool] = None
+    # int8 QK: the score registers are set to the bias bits (0x4B400000) once P has left them and QK^T accumulates
+    # onto them, so the scores come out of the wgmma as biased floats (no integer add per score after the wait).
+    # None: ``default_bias_in_acc`` (int8 QK), False (bf16 QK)
+    bias_in_acc: Optional[bool] = None
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -81,6 +95,9 @@ class PrefillConfig:
             raise ValueError(f"v_dtype: expected one of {_V_DTYPES}, got {self.v_dtype!r}")
         if self.granularity not in _GRANULARITIES:
             raise ValueError(f"granularity: expected one of {_GRANULARITIES}, got {self.granularity!r}")
+        if self.bias_in_acc is None:
+            object.__setattr__(self, "bias_in_acc",
+                               self.qk_dtype == "int8" and default_bias_in_acc(self.head_dim, self.pv_dtype))
         if self.early_kv_wait is None:
             object.__setattr__(self, "early_kv_wait", default_early_kv_wait(self.head_dim, self.pv_dtype))
         if self.tile_m is None:
@@ -103,6 +120,8 @@ class PrefillConfig:
         if self.balance_qk and not self.quantize_q:
             raise ValueError("balance_qk: only the in-kernel Q quantization (quantize_q) applies the balance; a "
                              "prepass-quantized Q carries it already")
+        if self.bias_in_acc and self.qk_dtype != "int8":
+            raise ValueError("bias_in_acc: only the int8 QK scores carry the bias")
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
@@ -120,4 +139,4 @@ class PrefillConfig:
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
                 self.tile_n, "quantize_q" if self.quantize_q else "q_int8") + (("balance_qk",) if self.balance_qk else ()) + (
-                    ("early_kv_wait",) if self.early_kv_wait else ())
+                    ("early_kv_wait",) if self.early_kv_wait else ()) + (("bias_in_acc",) if self.bias_in_acc else ())

@@ -200,6 +200,7 @@ class QKInt8PrefillSm90:
         # int8 scores reach the softmax as float(S) + SCORE_BIAS, taken out in its FFMA (the FP8 P x V CPU
         # emulation, qattn.reference.prefill_fp8pv, does the same arithmetic)
         self.score_bias = SCORE_BIAS if self.int8_qk else 0.0
+        self.bias_in_acc = cfg.bias_in_acc  # the QK wgmma accumulates onto the bias bits (PrefillConfig)
         # quantize_q: Q arrives in V's 16-bit dtype (TMA into a staging tile) and the MMA warps quantize it
         self.quantize_q = cfg.quantize_q
         self.q_dtype = self.v_dtype if self.quantize_q else self.qk_ab
@@ -546,6 +547,7 @@ class QKInt8PrefillSm90:
             if wg == self.nw - 1:  # warpgroup 0 takes the first turn
                 self._turn_done(0)
             st = _consumer_state(0, cfg.kv_stages)
+            self._bias_scores(acc_s)
             self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
             self._turn_done(self._next_wg(wg))
@@ -557,6 +559,7 @@ class QKInt8PrefillSm90:
                 v_tok = _landed(v_pipe, st)
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
+            self._bias_scores(acc_s)
         for n in cutlass.range(1, n_blocks, unroll=1):
             st = _consumer_state(n, cfg.kv_stages)
             st_prev = _consumer_state(n - 1, cfg.kv_stages)
@@ -592,6 +595,7 @@ class QKInt8PrefillSm90:
                         for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                             o_mn[i, j] = o_mn[i, j] * corr[i]
             self._store_p(s, acc_s.layout, p_lo, tOrP)
+            self._bias_scores(acc_s)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
@@ -733,7 +737,9 @@ class QKInt8PrefillSm90:
         k_pipe.consumer_wait(k_cons, k_tok)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma_qk if kb == 0 else mma_qk_acc, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, k_cons.index], acc_s)
+            first = kb == 0 and not self.bias_in_acc  # bias_in_acc: every k-step accumulates (onto the bias)
+            cute.gemm(mma_qk if first else mma_qk_acc, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, k_cons.index],
+                      acc_s)
         warpgroup.commit_group()
 
     @cute.jit
@@ -751,6 +757,13 @@ class QKInt8PrefillSm90:
             for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 cute.gemm(mma_pv, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, v_cons.index], acc_o)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _bias_scores(self, acc_s):
+        """``bias_in_acc``: the score registers (free once P has been taken out of them) <- the bits of
+        SCORE_BIAS, so that the next QK^T (accumulating) leaves float(S) + SCORE_BIAS in them (see ``_scores``)."""
+        if cutlass.const_expr(self.bias_in_acc):
+            acc_s.fill(Int32(0x4B400000))
 
     @cute.jit
     def _store_p(self, s, acc_layout, p_lo, tOrP):
@@ -799,9 +812,10 @@ class QKInt8PrefillSm90:
         int32 -> fp32 without I2F (a quarter-rate conversion on SM90, as costly as the exp2 of softmax): for
         |x| < 2^22, the bits of x + 0x4B400000 are the float SCORE_BIAS + x (SCORE_BIAS = 1.5 * 2^23), exactly,
         so one integer add gives a biased float; the bias is taken out in the softmax's FFMA (no subtract per
-        score). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128."""
+        score). |S| <= 127 * 127 * head_dim <= 2^21 for head_dim <= 128. With ``bias_in_acc`` the wgmma has
+        accumulated onto the bias bits already (``_bias_scores``): no add here."""
         cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
-        if cutlass.const_expr(self.int8_qk):  # the bf16 QK path's accumulator is fp32 already (bias 0)
+        if cutlass.const_expr(self.int8_qk and not self.bias_in_acc):  # (bf16 QK: fp32 already, bias 0)
             acc_s.store(acc_s.load() + Int32(0x4B400000))
         # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
         # to its first row
