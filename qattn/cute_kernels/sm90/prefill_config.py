@@ -46,10 +46,11 @@ def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
 
 def default_bias_in_acc(head_dim: int, pv_dtype: str = "bf16") -> bool:
     """FP8 P x V, and head_dim 64 (int8 QK only). H100, kernel only, CUDA graph, interleaved A/B, B2 H16, outputs
-    bit-identical: FP8 P x V D128 S8K 0.969x the time, causal 0.956x, S16K 0.980x, D64 S8K 0.927x, causal 0.979x;
-    16-bit P x V D64 S8K 0.973 / 0.975x, causal 1.001x, S16K 0.998x; not at D128 with 16-bit P x V (S8K 0.990 /
-    1.003x, causal 1.028 / 1.003x, S16K 1.001x, S2K 1.006x: ptxas sinks the 64 register fills to just before the
-    QK wgmma, where they lengthen the issue as much as the adds they replace)."""
+    bit-identical: FP8 P x V D128 S8K 0.969 / 0.968x the time, causal 0.956 / 0.948x, S16K 0.980x, D64 S8K 0.927x,
+    causal 0.979x; 16-bit P x V D64 S8K 0.973 / 0.975 / 0.984x, causal 1.001x, S16K 0.998x; not at D128 with
+    16-bit P x V (S8K 0.990 / 1.003 / 1.010x, causal 1.028 / 1.003 / 0.995x, S16K 0.999-1.006x, S2K 1.006 /
+    1.013x: ptxas sinks the 64 register fills to just before the QK wgmma, where they lengthen the issue as much
+    as the adds they replace)."""
     return pv_dtype == "fp8" or head_dim == 64
 
 
