@@ -334,6 +334,25 @@ def test_bias_in_acc_gives_identical_outputs(D, pv_dtype, causal):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("sk", [100, 1000, 1100])  # 1, 8 and 9 key tiles: the last P V from either buffer
+def test_two_p_buffers_give_identical_outputs(sk):
+    """P of tiles n and n-1 in registers of their own (``PrefillConfig.p_buffers=2``, the default at D128 with
+    16-bit P x V, not causal) == one P buffer, bit for bit; dense and varlen."""
+    from qattn.interface.prefill import prefill_int8, prefill_int8_varlen
+
+    q, k, v = _inputs(2, 333, sk, 4, 2, 128, torch.bfloat16, outliers="heavy", seed=sk)
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    for qq, ss in ((q, None), (q8, qs)):
+        outs = [prefill_int8(qq, ss, k8, ks, v, return_lse=True, _tuning={"p_buffers": p}) for p in (1, 2)]
+        assert torch.isfinite(outs[0][0]).all()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    lens_q, lens_k = [1, 300, 129], [sk, 5, 700]
+    seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, 128, "per_warp", seed=sk + 1)
+    outs = [prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                _tuning={"p_buffers": p}) for p in (1, 2)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------
 # Kernel error: vs ``prefill_fp8pv_emulation`` on the same int8 Q/K and E4M3 V (tight: only accumulation order,
 # ex2.approx and the output rounding differ). Format error: vs exact fp64 attention (FP8 P and V cost ~3.5% NRMSE,

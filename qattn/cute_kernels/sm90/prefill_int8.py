@@ -533,6 +533,11 @@ class QKInt8PrefillSm90:
         else:
             p_lo = cute.make_rmem_tensor(acc_s.layout, vdt)
             tOrP = cute.make_tensor(p_lo.iterator, _acc_as_a_operand(p_lo.layout))
+        two_p = cfg.p_buffers == 2  # (16-bit P x V only, PrefillConfig checks)
+        p_lo2, tOrP2 = None, None
+        if cutlass.const_expr(two_p):
+            p_lo2 = cute.make_rmem_tensor(acc_s.layout, vdt)
+            tOrP2 = cute.make_tensor(p_lo2.iterator, _acc_as_a_operand(p_lo2.layout))
         corr = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
         # Software pipeline (FA3's intra-warpgroup overlap): the QK^T of tile n and the PV of tile n-1 are in
         # flight together; the exponentials of tile n run while the PV wgmma still executes. Pipeline states
@@ -560,46 +565,60 @@ class QKInt8PrefillSm90:
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
             self._bias_scores(acc_s)
-        for n in cutlass.range(1, n_blocks, unroll=1):
-            st = _consumer_state(n, cfg.kv_stages)
-            st_prev = _consumer_state(n - 1, cfg.kv_stages)
-            self._my_turn(wg)
-            self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
-            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
-            self._turn_done(self._next_wg(wg))
-            warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
-            k_pipe.consumer_release(st)
-            self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
-            if cutlass.const_expr(early):
-                k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
-                v_tok = _landed(v_pipe, st)
-            self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
-            warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
-            v_pipe.consumer_release(st_prev)
-            o_mn = cute.make_tensor(acc_o.iterator, o_rc)
-            # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
-            stale = corr[0] != Float32(1.0)
-            for i in cutlass.range_constexpr(1, n_rows):
-                stale = stale | (corr[i] != Float32(1.0))
-            if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
-                t_mn = cute.make_tensor(acc_t.iterator, o_rc)
-                if cute.arch.vote_any_sync(stale):
-                    for i in cutlass.range_constexpr(n_rows):
-                        for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                            o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
-                else:
-                    acc_o.store(acc_o.load() + acc_t.load())
-            else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
-                if cute.arch.vote_any_sync(stale):
-                    for i in cutlass.range_constexpr(n_rows):
-                        for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                            o_mn[i, j] = o_mn[i, j] * corr[i]
-            self._store_p(s, acc_s.layout, p_lo, tOrP)
-            self._bias_scores(acc_s)
+        if cutlass.const_expr(not two_p):
+            for n in cutlass.range(1, n_blocks, unroll=1):
+                st = _consumer_state(n, cfg.kv_stages)
+                st_prev = _consumer_state(n - 1, cfg.kv_stages)
+                self._my_turn(wg)
+                self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
+                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
+                self._turn_done(self._next_wg(wg))
+                warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
+                k_pipe.consumer_release(st)
+                self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
+                if cutlass.const_expr(early):
+                    k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
+                    v_tok = _landed(v_pipe, st)
+                self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
+                warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
+                v_pipe.consumer_release(st_prev)
+                o_mn = cute.make_tensor(acc_o.iterator, o_rc)
+                # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
+                stale = corr[0] != Float32(1.0)
+                for i in cutlass.range_constexpr(1, n_rows):
+                    stale = stale | (corr[i] != Float32(1.0))
+                if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
+                    t_mn = cute.make_tensor(acc_t.iterator, o_rc)
+                    if cute.arch.vote_any_sync(stale):
+                        for i in cutlass.range_constexpr(n_rows):
+                            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                                o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
+                    else:
+                        acc_o.store(acc_o.load() + acc_t.load())
+                else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
+                    if cute.arch.vote_any_sync(stale):
+                        for i in cutlass.range_constexpr(n_rows):
+                            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                                o_mn[i, j] = o_mn[i, j] * corr[i]
+                self._store_p(s, acc_s.layout, p_lo, tOrP)
+                self._bias_scores(acc_s)
+        else:  # P of tile n in buffer n % 2: the loop unrolled by two keeps the choice static
+            tile_args = (mma_qk, mma_qk_acc, mma_pv, acc_s, s, tSrQ, tSrK, tOrV, acc_o, k_pipe, v_pipe, tScS, s_rc, o_rc,
+                         m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr, wg)
+            for n in cutlass.range(1, n_blocks, 2, unroll=1):
+                k_tok, v_tok = self._tile_two_p(n, tOrP, p_lo2, tOrP2, k_tok, v_tok, *tile_args)
+                if n + 1 < n_blocks:
+                    k_tok, v_tok = self._tile_two_p(n + 1, tOrP2, p_lo, tOrP, k_tok, v_tok, *tile_args)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
-            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
+            if cutlass.const_expr(two_p):
+                if (n_blocks - 1) % 2 == 0:
+                    self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
+                else:
+                    self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP2, tOrV, v_pipe, st, v_tok)
+            else:
+                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
             if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
                 self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
@@ -648,6 +667,42 @@ class QKInt8PrefillSm90:
                 mO[row, c] = (acc_o[i] * inv).to(vdt)
 
     # ----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _tile_two_p(self, n, tOrP_prev, p_cur, tOrP_cur, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, acc_s, s, tSrQ, tSrK,
+                    tOrV, acc_o, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS,
+                    ks_base, row_max, row_sum, corr, wg):
+        """``p_buffers == 2`` (16-bit P x V): one loop iteration, tile n. The P V of tile n-1 reads ``tOrP_prev``
+        while P(n) goes into ``p_cur`` as soon as the softmax is done, before the wait for that P V (with one
+        buffer P(n) must wait for it). Returns the early K / V tokens (``early_kv_wait``)."""
+        cfg, TN = self.cfg, self.cfg.tile_n
+        st = _consumer_state(n, cfg.kv_stages)
+        st_prev = _consumer_state(n - 1, cfg.kv_stages)
+        self._my_turn(wg)
+        self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
+        self._issue_pv(mma_pv, None, acc_o, None, tOrP_prev, tOrV, v_pipe, st_prev, v_tok)
+        self._turn_done(self._next_wg(wg))
+        warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
+        k_pipe.consumer_release(st)
+        self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
+        if cutlass.const_expr(cfg.early_kv_wait):
+            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
+            v_tok = _landed(v_pipe, st)
+        self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
+        self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
+        self._bias_scores(acc_s)
+        warpgroup.wait_group(0)  # PV(n-1) done: O may be rescaled
+        v_pipe.consumer_release(st_prev)
+        o_mn = cute.make_tensor(acc_o.iterator, o_rc)
+        n_rows = cute.size(s_rc, mode=[0])
+        stale = corr[0] != Float32(1.0)
+        for i in cutlass.range_constexpr(1, n_rows):
+            stale = stale | (corr[i] != Float32(1.0))
+        if cute.arch.vote_any_sync(stale):  # lazy rescale, as in the one-buffer loop
+            for i in cutlass.range_constexpr(n_rows):
+                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[i, j] = o_mn[i, j] * corr[i]
+        return k_tok, v_tok
+
     @cute.jit
     def _quantize_q(self, q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q, lam_row=None) -> Float32:
         """``quantize_q``: quantize this warp's 16 query rows (its per_warp q-scale group = the rows of its wgmma
