@@ -565,50 +565,16 @@ class QKInt8PrefillSm90:
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
             self._bias_scores(acc_s)
+        tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS,
+                     s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr, wg)
         if cutlass.const_expr(not two_p):
             for n in cutlass.range(1, n_blocks, unroll=1):
-                st = _consumer_state(n, cfg.kv_stages)
-                st_prev = _consumer_state(n - 1, cfg.kv_stages)
-                self._my_turn(wg)
-                self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
-                self._turn_done(self._next_wg(wg))
-                warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
-                k_pipe.consumer_release(st)
-                self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
-                if cutlass.const_expr(early):
-                    k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
-                    v_tok = _landed(v_pipe, st)
-                self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
-                warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
-                v_pipe.consumer_release(st_prev)
-                o_mn = cute.make_tensor(acc_o.iterator, o_rc)
-                # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
-                stale = corr[0] != Float32(1.0)
-                for i in cutlass.range_constexpr(1, n_rows):
-                    stale = stale | (corr[i] != Float32(1.0))
-                if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
-                    t_mn = cute.make_tensor(acc_t.iterator, o_rc)
-                    if cute.arch.vote_any_sync(stale):
-                        for i in cutlass.range_constexpr(n_rows):
-                            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                                o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
-                    else:
-                        acc_o.store(acc_o.load() + acc_t.load())
-                else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
-                    if cute.arch.vote_any_sync(stale):
-                        for i in cutlass.range_constexpr(n_rows):
-                            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                                o_mn[i, j] = o_mn[i, j] * corr[i]
-                self._store_p(s, acc_s.layout, p_lo, tOrP)
-                self._bias_scores(acc_s)
+                k_tok, v_tok = self._tile(n, tOrP, p_lo, tOrP, k_tok, v_tok, *tile_args)
         else:  # P of tile n in buffer n % 2: the loop unrolled by two keeps the choice static
-            tile_args = (mma_qk, mma_qk_acc, mma_pv, acc_s, s, tSrQ, tSrK, tOrV, acc_o, k_pipe, v_pipe, tScS, s_rc, o_rc,
-                         m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr, wg)
             for n in cutlass.range(1, n_blocks, 2, unroll=1):
-                k_tok, v_tok = self._tile_two_p(n, tOrP, p_lo2, tOrP2, k_tok, v_tok, *tile_args)
+                k_tok, v_tok = self._tile(n, tOrP, p_lo2, tOrP2, k_tok, v_tok, *tile_args)
                 if n + 1 < n_blocks:
-                    k_tok, v_tok = self._tile_two_p(n + 1, tOrP2, p_lo, tOrP, k_tok, v_tok, *tile_args)
+                    k_tok, v_tok = self._tile(n + 1, tOrP2, p_lo, tOrP, k_tok, v_tok, *tile_args)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
@@ -668,18 +634,20 @@ class QKInt8PrefillSm90:
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
-    def _tile_two_p(self, n, tOrP_prev, p_cur, tOrP_cur, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, acc_s, s, tSrQ, tSrK,
-                    tOrV, acc_o, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS,
-                    ks_base, row_max, row_sum, corr, wg):
-        """``p_buffers == 2`` (16-bit P x V): one loop iteration, tile n. The P V of tile n-1 reads ``tOrP_prev``
-        while P(n) goes into ``p_cur`` as soon as the softmax is done, before the wait for that P V (with one
-        buffer P(n) must wait for it). Returns the early K / V tokens (``early_kv_wait``)."""
+    def _tile(self, n, tOrP_prev, p_cur, tOrP_cur, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ,
+              tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2,
+              mKS, ks_base, row_max, row_sum, corr, wg):
+        """One iteration of the MMA warpgroups' loop, tile n >= 1: QK^T(n) and P V(n-1) (P of tile n-1 in
+        ``tOrP_prev``), the softmax of tile n, the O rescale, P(n) -> ``p_cur`` / ``tOrP_cur``. With one P buffer
+        (``tOrP_cur is tOrP_prev``) P(n) waits for P V(n-1) to finish; with two (``p_buffers``) it leaves the
+        score registers right after the softmax. Returns the early K / V tokens (``early_kv_wait``)."""
         cfg, TN = self.cfg, self.cfg.tile_n
+        two_p = cfg.p_buffers == 2
         st = _consumer_state(n, cfg.kv_stages)
         st_prev = _consumer_state(n - 1, cfg.kv_stages)
         self._my_turn(wg)
         self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
-        self._issue_pv(mma_pv, None, acc_o, None, tOrP_prev, tOrV, v_pipe, st_prev, v_tok)
+        self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP_prev, tOrV, v_pipe, st_prev, v_tok)
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
         k_pipe.consumer_release(st)
@@ -688,19 +656,33 @@ class QKInt8PrefillSm90:
             k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
             v_tok = _landed(v_pipe, st)
         self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
-        self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
-        self._bias_scores(acc_s)
-        warpgroup.wait_group(0)  # PV(n-1) done: O may be rescaled
+        if cutlass.const_expr(two_p):  # P(n) has registers of its own: out of the score registers now
+            self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
+            self._bias_scores(acc_s)
+        warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
         v_pipe.consumer_release(st_prev)
         o_mn = cute.make_tensor(acc_o.iterator, o_rc)
         n_rows = cute.size(s_rc, mode=[0])
+        # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
         stale = corr[0] != Float32(1.0)
         for i in cutlass.range_constexpr(1, n_rows):
             stale = stale | (corr[i] != Float32(1.0))
-        if cute.arch.vote_any_sync(stale):  # lazy rescale, as in the one-buffer loop
-            for i in cutlass.range_constexpr(n_rows):
-                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    o_mn[i, j] = o_mn[i, j] * corr[i]
+        if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
+            t_mn = cute.make_tensor(acc_t.iterator, o_rc)
+            if cute.arch.vote_any_sync(stale):
+                for i in cutlass.range_constexpr(n_rows):
+                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
+            else:
+                acc_o.store(acc_o.load() + acc_t.load())
+        else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
+            if cute.arch.vote_any_sync(stale):
+                for i in cutlass.range_constexpr(n_rows):
+                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        o_mn[i, j] = o_mn[i, j] * corr[i]
+        if cutlass.const_expr(not two_p):
+            self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
+            self._bias_scores(acc_s)
         return k_tok, v_tok
 
     @cute.jit
