@@ -63,16 +63,18 @@ def test_config_rejects_unsupported(kw, err):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_head_dim_64_takes_three_mma_warpgroups(causal):
-    """head_dim 64, per_warp q scales, 16-bit P.V: 192-row tiles, three MMA warpgroups of 160 registers after
-    the producer's setmaxnreg.dec; per_block (128-row q scales) and D128 keep two of 240."""
+    """head_dim 64, per_warp q scales (16-bit or FP8 P.V): 192-row tiles, three MMA warpgroups of 160 registers
+    after the producer's setmaxnreg.dec; per_block (128-row q scales) and D128 keep two of 240."""
+    for pv in ("bf16", "fp8"):
+        three = PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv)
+        assert (three.tile_m, three.mma_warpgroups) == (192, 3)
+        ptx = _compile(three)
+        assert ptx_has(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160")
+        assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "local arrays"
     three = PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp")
-    assert (three.tile_m, three.mma_warpgroups) == (192, 3)
-    ptx = _compile(three)
-    assert ptx_has(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160")
-    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
     for two in (PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block"),
                 PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp"),
-                PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype="fp8")):
+                PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype="fp8")):
         assert two.tile_m == 128 and two.mma_warpgroups == 2
     assert ptx_has(_compile(PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block")),
                    r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240")
