@@ -95,7 +95,8 @@ def test_quantize_q_variant_compiles(D, v_dtype, causal, varlen, pv):
     ptx = _compile(cfg)
     plain = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity="per_warp", varlen=varlen,
                                    pv_dtype=pv))
-    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == (1 + cfg.p_buffers) * (D // 32)
+    int8_qk = "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8"
+    assert ptx_count(ptx, int8_qk) == (1 + cfg.p_buffers) * (D // 32)
     # the Q tile still arrives by TMA (16-bit now): as many bulk tensor copies as the int8 Q's, or one more box
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= ptx_count(plain, "cp.async.bulk.tensor")
     # generic-proxy smem writes made visible to wgmma, then the warpgroup's named barrier (128 threads)

@@ -565,8 +565,9 @@ class QKInt8PrefillSm90:
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
             self._bias_scores(acc_s)
-        tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS,
-                     s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr, wg)
+        tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe,
+                     tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr,
+                     wg)
         if cutlass.const_expr(not two_p):
             for n in cutlass.range(1, n_blocks, unroll=1):
                 k_tok, v_tok = self._tile(n, tOrP, p_lo, tOrP, k_tok, v_tok, *tile_args)
