@@ -210,8 +210,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 qcfg, qstats = _kmean_kernel(arch, D, q.dtype == torch.bfloat16, varlen, "absmax")
                 nc, chunk_rows = _k_chunks(seqlen_q, batch * Hq, qcfg.rows_per_step, _num_sms(dev))
                 q_amax = _alloc((batch, Hq, nc, D), torch.float32, dev)
-                qstats(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows,
-                             *strides(q), stream)
+                qstats(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows, *strides(q), stream)
                 q_amax, _ = _fold_chunks(q_amax, "max_f32", arch, stream)
             else:  # no rows on one side: every lam is 1
                 qk_balance.fill_(1.0)
@@ -229,7 +228,7 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 if balance:
                     k_range = _alloc((batch, Hkv * 2, nc, D), torch.float32, dev)  # (B, H, 2, chunks, D)
                 kmean(addr(k), addr(partial), addr(k_range), addr(cu_k), batch, seqlen_k, Hkv, nc, chunk_rows,
-                            *strides(k), stream)
+                      *strides(k), stream)
                 if smooth_k and nc > _SUM_IN_QUANT_MAX_CHUNKS:
                     partial, num_chunks = _fold_chunks(partial, "sum_f64", arch, stream)
                 elif smooth_k:  # few chunks: the quantize kernel adds them itself, in the same order
@@ -237,15 +236,15 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 if balance:
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
             kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
-                                      "k" if balance else None)
+                                   "k" if balance else None)
             kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
-                         addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks,
-                         Hq // Hkv, *strides(k), stream)
+                   addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks, Hq // Hkv,
+                   *strides(k), stream)
         if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
             qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
-                                      "q" if qk_balance is not None else None)
-            qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0,
-                         addr(qk_balance), batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)
+                                   "q" if qk_balance is not None else None)
+            qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0, addr(qk_balance),
+                   batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)
 
 
 @functools.lru_cache(maxsize=None)

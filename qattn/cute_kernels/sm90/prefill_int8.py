@@ -56,6 +56,11 @@ the softmax of tile n runs, mbarrier.test_wait (non-blocking) checks whether K(n
 answers let the next turn skip its blocking waits (a ready-barrier wait cost ~80-100 cycles per tile each in
 %clock traces of the loop): 0.97-0.99x the time.
 
+``bias_in_acc`` (default with FP8 P x V and at head_dim 64, ``prefill_config.default_bias_in_acc``): the score
+registers are set to the bias bits once P has left them and Q K^T accumulates onto them, so no integer add per
+score converts the int32 scores (``_bias_scores``, ``_scores``). ``p_buffers`` = 2 (default at head_dim 128 with
+16-bit P x V, not causal): P of tiles n and n-1 in registers of their own, the loop unrolled by two (``_tile``).
+
 Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid. Measured
 on an H100 (D128 S8K): Nsight Compute has the shared (tensor) pipe ~56 % busy, and the kernel's TFLOP/s are ~52 %
 of what the int8 + bf16 MMA peak rates allow, against ~67 % of the bf16 peak for FA4's kernel, so the int8
