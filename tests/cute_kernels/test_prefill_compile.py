@@ -28,12 +28,9 @@ def _compile(cfg):
 def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granularity, varlen):
     cfg = PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity, varlen=varlen)
     ptx = _compile(cfg)
-    # Q K^T: D/32 int8 k-steps; P V: 128/16 k-steps in V's dtype; both in the prologue/epilogue and the loop (its
-    # body twice with two P buffers, and the last P V from either buffer)
-    p = cfg.p_buffers
-    assert p == (2 if D == 128 and not causal else 1)
-    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == (1 + p) * (D // 32)
-    assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{_PTX[v_dtype]}.{_PTX[v_dtype]}") == 2 * p * 8
+    # Q K^T: D/32 int8 k-steps; P V: 128/16 k-steps in V's dtype; both in the prologue/epilogue and the loop
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
+    assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{_PTX[v_dtype]}.{_PTX[v_dtype]}") == 2 * 8
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3  # Q, K, V (a 256-byte V row is two 128-byte boxes)
     assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
     assert not ptx_has(ptx, "cvt.rn.f32.s32"), "int32 scores must be converted without I2F"
@@ -96,7 +93,7 @@ def test_quantize_q_variant_compiles(D, v_dtype, causal, varlen, pv):
     plain = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity="per_warp", varlen=varlen,
                                    pv_dtype=pv))
     int8_qk = "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8"
-    assert ptx_count(ptx, int8_qk) == (1 + cfg.p_buffers) * (D // 32)
+    assert ptx_count(ptx, int8_qk) == 2 * (D // 32)
     # the Q tile still arrives by TMA (16-bit now): as many bulk tensor copies as the int8 Q's, or one more box
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= ptx_count(plain, "cp.async.bulk.tensor")
     # generic-proxy smem writes made visible to wgmma, then the warpgroup's named barrier (128 threads)
@@ -165,7 +162,7 @@ def test_fp8_pv_variant_compiles(D, v_dtype, causal, granularity):
     # P -> E4M3: 2 cvt per A register, 16 registers per tile, two call sites; no byte shuffles between lanes
     # (the keys are permuted instead): the only shfl are the 4-lane max / sum reductions of the bf16 variant
     assert ptx_count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 2 * 16 * 2
-    bf16 = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity, p_buffers=1))
+    bf16 = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity))
     assert ptx_count(ptx, "shfl.sync") == ptx_count(bf16, "shfl.sync")
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3
     assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
@@ -209,18 +206,21 @@ def test_early_kv_wait_tests_barriers_without_blocking(D, pv):
 
 
 
-@pytest.mark.parametrize("D,pv", [(128, "bf16"), (64, "bf16"), (128, "fp8"), (64, "fp8")])
-def test_bias_in_acc_replaces_the_per_score_add(D, pv):
-    """FP8 P x V and head_dim 64 set the score registers to the bias bits before QK^T accumulates onto them: no
-    integer add per score is left (64 per tile otherwise, first tile and loop); head_dim 128 with 16-bit P x V
-    keeps the adds (faster there on the H100)."""
-    cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv)
-    assert cfg.bias_in_acc == (pv == "fp8" or D == 64)
+@pytest.mark.parametrize("D,pv,causal,on", [(128, "bf16", False, None), (128, "bf16", True, False),
+                                            (64, "bf16", False, None), (128, "fp8", True, None), (64, "fp8", False, None)])
+def test_bias_in_acc_replaces_the_per_score_add(D, pv, causal, on):
+    """By default the score registers are set to the bias bits before QK^T accumulates onto them: no integer add
+    per score is left (64 per tile with ``bias_in_acc=False``: first tile and loop), and the fills are 16-byte
+    shared loads (16 per fill: before the first tile, after it, in the loop)."""
+    cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv,
+                        bias_in_acc=on)
+    assert cfg.bias_in_acc == (on is None)
     ptx = _compile(cfg)
     assert ptx_count(ptx, r"add\.s32\s+%r\d+, %r\d+, 1262485504;") == (0 if cfg.bias_in_acc else 2 * 64)
+    assert ptx_count(ptx, "ld.volatile.shared.v4.b32") == (3 * 16 if cfg.bias_in_acc else 0)
     assert ptx_has(ptx, "1262485504")  # 0x4B400000
     assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
-    flipped = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype=pv,
+    flipped = PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv,
                             bias_in_acc=not cfg.bias_in_acc)
     assert flipped.key != cfg.key
     assert not PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp",
@@ -228,22 +228,3 @@ def test_bias_in_acc_replaces_the_per_score_add(D, pv):
     with pytest.raises(ValueError, match="bias_in_acc"):
         PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", qk_dtype="bf16",
                       bias_in_acc=True)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_two_p_buffers_at_head_dim_128(causal):
-    """Non-causal head_dim 128 with 16-bit P x V keeps P of tiles n and n-1 in registers of their own (the loop
-    body twice, one per buffer; no spills in the 240 registers); causal and the other variants keep one."""
-    cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", quantize_q=True)
-    assert cfg.p_buffers == (1 if causal else 2)
-    ptx = _compile(cfg)
-    # the softmax's exp2 per score: first tile + the loop body once per buffer
-    assert ptx_count(ptx, r"ex2\.approx\.ftz\.f32") >= (1 + cfg.p_buffers) * 64
-    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
-    other = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", quantize_q=True,
-                          p_buffers=3 - cfg.p_buffers)
-    assert other.key != cfg.key
-    for bad in (dict(head_dim=64, p_buffers=2), dict(head_dim=128, pv_dtype="fp8", p_buffers=2),
-                dict(head_dim=128, p_buffers=3)):
-        with pytest.raises(ValueError, match="p_buffers"):
-            PrefillConfig(**dict(dict(v_dtype="bf16", causal=causal, granularity="per_warp"), **bad))

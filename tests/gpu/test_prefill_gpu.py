@@ -334,22 +334,23 @@ def test_bias_in_acc_gives_identical_outputs(D, pv_dtype, causal):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("sk", [100, 1000, 1100])  # 1, 8 and 9 key tiles: the last P V from either buffer
-def test_two_p_buffers_give_identical_outputs(sk):
-    """P of tiles n and n-1 in registers of their own (``PrefillConfig.p_buffers=2``, the default at D128 with
-    16-bit P x V, not causal) == one P buffer, bit for bit; dense and varlen."""
+@pytest.mark.parametrize("sk", [100, 1000, 1100])  # 1, 8 and 9 key tiles
+def test_bias_in_acc_identical_at_head_dim_128_dense_and_varlen(sk):
+    """The score bias in the accumulator (refilled by shared loads, ``PrefillConfig.bias_in_acc``) == the integer
+    add, bit for bit, at head_dim 128 non-causal with 16-bit P x V; dense and varlen (a CTA past its sequence's
+    end, ragged tiles)."""
     from qattn.interface.prefill import prefill_int8, prefill_int8_varlen
 
     q, k, v = _inputs(2, 333, sk, 4, 2, 128, torch.bfloat16, outliers="heavy", seed=sk)
     q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
     for qq, ss in ((q, None), (q8, qs)):
-        outs = [prefill_int8(qq, ss, k8, ks, v, return_lse=True, _tuning={"p_buffers": p}) for p in (1, 2)]
+        outs = [prefill_int8(qq, ss, k8, ks, v, return_lse=True, _tuning={"bias_in_acc": on}) for on in (False, True)]
         assert torch.isfinite(outs[0][0]).all()
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     lens_q, lens_k = [1, 300, 129], [sk, 5, 700]
     seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, 128, "per_warp", seed=sk + 1)
     outs = [prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
-                                _tuning={"p_buffers": p}) for p in (1, 2)]
+                                _tuning={"bias_in_acc": on}) for on in (False, True)]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "default_bias_in_acc",
-           "default_early_kv_wait", "default_p_buffers"]
+__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "default_early_kv_wait"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -44,24 +43,6 @@ def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
     D128 S8K 0.986 / 0.992x the time, causal 0.986 / 0.973x, S16K 0.974 / 0.980x, S2K 0.980 / 0.978x; not at D64
     (three MMA warpgroups: S8K 1.11x, causal 1.02x) nor with FP8 P x V (1.01x)."""
     return head_dim == 128 and pv_dtype == "bf16"
-
-
-def default_bias_in_acc(head_dim: int, pv_dtype: str = "bf16") -> bool:
-    """FP8 P x V, and head_dim 64 (int8 QK only). H100, kernel only, CUDA graph, interleaved A/B, B2 H16, outputs
-    bit-identical: FP8 P x V D128 S8K 0.969 / 0.968x the time, causal 0.956 / 0.948x, S16K 0.980x, D64 S8K 0.927x,
-    causal 0.979x; 16-bit P x V D64 S8K 0.973 / 0.975 / 0.984x, causal 1.001x, S16K 0.998x; not at D128 with
-    16-bit P x V (S8K 0.990 / 1.003 / 1.010x, causal 1.028 / 1.003 / 0.995x, S16K 0.999-1.006x, S2K 1.006 /
-    1.013x: ptxas sinks the 64 register fills to just before the QK wgmma, where they lengthen the issue as much
-    as the adds they replace)."""
-    return pv_dtype == "fp8" or head_dim == 64
-
-
-def default_p_buffers(head_dim: int, causal: bool, pv_dtype: str = "bf16", qk_dtype: str = "int8") -> int:
-    """2 at head_dim 128 with int8 QK and 16-bit P x V, not causal. H100, kernel only, CUDA graph, interleaved A/B,
-    B2 H16, outputs bit-identical: S8K 0.985 / 0.961x the time, S16K 0.975 / 0.967x, S4K 0.981x, S2K 0.974x;
-    causal S8K 1.009 / 1.016x, S16K 1.005x, S4K 1.008x (so 1 there). Not at head_dim 64 (three warpgroups of
-    160 registers: no room for 32 more) nor with FP8 P x V (its second accumulator)."""
-    return 2 if head_dim == 128 and not causal and pv_dtype == "bf16" and qk_dtype == "int8" else 1
 
 
 @dataclass(frozen=True)
@@ -94,14 +75,10 @@ class PrefillConfig:
     # test (without blocking) during the softmax whether the next K tile and the V tile of the next P V have
     # landed, so the waits before the MMAs are skipped when they have. None: ``default_early_kv_wait``
     early_kv_wait: Optional[bool] = None
-    # int8 QK: the score registers are set to the bias bits (0x4B400000) once P has left them and QK^T accumulates
-    # onto them, so the scores come out of the wgmma as biased floats (no integer add per score after the wait).
-    # None: ``default_bias_in_acc`` (int8 QK), False (bf16 QK)
+    # int8 QK: the score registers are set to the bias bits (0x4B400000; 16 shared loads of 16 bytes) once P has
+    # left them and QK^T accumulates onto them, so the scores come out of the wgmma as biased floats (no integer
+    # add per score after the wait). None: on with int8 QK (False: the add, for A/B), off with bf16 QK.
     bias_in_acc: Optional[bool] = None
-    # 16-bit P x V, two MMA warpgroups: 2 = P of tiles n and n-1 in registers of their own (the loop unrolled by
-    # two), so P(n) leaves the score registers right after the softmax instead of after the wait for PV(n-1).
-    # None: ``default_p_buffers``
-    p_buffers: Optional[int] = None
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -111,11 +88,7 @@ class PrefillConfig:
         if self.granularity not in _GRANULARITIES:
             raise ValueError(f"granularity: expected one of {_GRANULARITIES}, got {self.granularity!r}")
         if self.bias_in_acc is None:
-            object.__setattr__(self, "bias_in_acc",
-                               self.qk_dtype == "int8" and default_bias_in_acc(self.head_dim, self.pv_dtype))
-        if self.p_buffers is None:
-            object.__setattr__(self, "p_buffers",
-                               default_p_buffers(self.head_dim, self.causal, self.pv_dtype, self.qk_dtype))
+            object.__setattr__(self, "bias_in_acc", self.qk_dtype == "int8")
         if self.early_kv_wait is None:
             object.__setattr__(self, "early_kv_wait", default_early_kv_wait(self.head_dim, self.pv_dtype))
         if self.tile_m is None:
@@ -138,8 +111,6 @@ class PrefillConfig:
         if self.balance_qk and not self.quantize_q:
             raise ValueError("balance_qk: only the in-kernel Q quantization (quantize_q) applies the balance; a "
                              "prepass-quantized Q carries it already")
-        if self.p_buffers not in (1, 2) or (self.p_buffers == 2 and (self.pv_dtype != "bf16" or self.tile_m != 128)):
-            raise ValueError(f"p_buffers: 1, or 2 with 16-bit P x V and two MMA warpgroups, got {self.p_buffers}")
         if self.bias_in_acc and self.qk_dtype != "int8":
             raise ValueError("bias_in_acc: only the int8 QK scores carry the bias")
         if not 2 <= self.kv_stages <= 4:
@@ -157,7 +128,7 @@ class PrefillConfig:
         if self.quantize_q:  # Q arrives in V's dtype
             qk = (self.v_dtype, "int8")
         flags = tuple(name for name, on in (("balance_qk", self.balance_qk), ("early_kv_wait", self.early_kv_wait),
-                                            ("bias_in_acc", self.bias_in_acc), ("p_buffers2", self.p_buffers == 2))
+                                            ("bias_in_acc", self.bias_in_acc))
                       if on)
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,

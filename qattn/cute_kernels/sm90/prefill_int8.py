@@ -56,10 +56,9 @@ the softmax of tile n runs, mbarrier.test_wait (non-blocking) checks whether K(n
 answers let the next turn skip its blocking waits (a ready-barrier wait cost ~80-100 cycles per tile each in
 %clock traces of the loop): 0.97-0.99x the time.
 
-``bias_in_acc`` (default with FP8 P x V and at head_dim 64, ``prefill_config.default_bias_in_acc``): the score
-registers are set to the bias bits once P has left them and Q K^T accumulates onto them, so no integer add per
-score converts the int32 scores (``_bias_scores``, ``_scores``). ``p_buffers`` = 2 (default at head_dim 128 with
-16-bit P x V, not causal): P of tiles n and n-1 in registers of their own, the loop unrolled by two (``_tile``).
+``bias_in_acc`` (default with int8 Q K): the score registers are set to the bias bits (16 shared loads) once P has
+left them and Q K^T accumulates onto them, so no integer add per score converts the int32 scores
+(``_bias_scores``, ``_scores``).
 
 Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid. Measured
 on an H100 (D128 S8K): Nsight Compute has the shared (tensor) pipe ~56 % busy, and the kernel's TFLOP/s are ~52 %
@@ -160,6 +159,16 @@ def _round_s8x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
 def _f32_from_bits(x, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
                                    has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _lds_volatile_b32x4(addr, *, loc=None, ip=None):
+    """Four 32-bit words from shared memory (a volatile load: neither merged with nor hoisted over another)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    res = llvm.inline_asm(st, [Int32(addr).ir_value(loc=loc, ip=ip)],
+                          "ld.volatile.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 def _tree(vals: list, op, arity: int = 2):
@@ -303,6 +312,7 @@ class QKInt8PrefillSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_ab, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
             sQin: cute.struct.Align[cute.struct.MemRange[self.q_dtype, sQin_size], 1024]
+            bias_bits: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.shared_storage = SharedStorage
         num_m_blocks = (max_seqlen_q + TM - 1) // TM
@@ -416,6 +426,12 @@ class QKInt8PrefillSm90:
         v_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.v_mbar.data_ptr(), num_stages=cfg.kv_stages, producer_group=producer,
             consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        # bias_in_acc: 16 bytes of score bias bits, the source of the score registers' fills (``_bias_scores``)
+        bias_addr = None
+        if cutlass.const_expr(self.bias_in_acc):
+            if tidx < 4:
+                storage.bias_bits.get_tensor(cute.make_layout(4))[tidx] = Int32(0x4B400000)
+            bias_addr = storage.bias_bits.data_ptr().toint()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -456,14 +472,15 @@ class QKInt8PrefillSm90:
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
-                          scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr)
+                          scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr,
+                          bias_addr)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
                  num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr, q_words,
-                 sQin_layout, sQ_layout, qk_balance_addr):
+                 sQin_layout, sQ_layout, qk_balance_addr, bias_addr):
         """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
         in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
@@ -538,11 +555,6 @@ class QKInt8PrefillSm90:
         else:
             p_lo = cute.make_rmem_tensor(acc_s.layout, vdt)
             tOrP = cute.make_tensor(p_lo.iterator, _acc_as_a_operand(p_lo.layout))
-        two_p = cfg.p_buffers == 2  # (16-bit P x V only, PrefillConfig checks)
-        p_lo2, tOrP2 = None, None
-        if cutlass.const_expr(two_p):
-            p_lo2 = cute.make_rmem_tensor(acc_s.layout, vdt)
-            tOrP2 = cute.make_tensor(p_lo2.iterator, _acc_as_a_operand(p_lo2.layout))
         corr = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
         # Software pipeline (FA3's intra-warpgroup overlap): the QK^T of tile n and the PV of tile n-1 are in
         # flight together; the exponentials of tile n run while the PV wgmma still executes. Pipeline states
@@ -557,7 +569,7 @@ class QKInt8PrefillSm90:
             if wg == self.nw - 1:  # warpgroup 0 takes the first turn
                 self._turn_done(0)
             st = _consumer_state(0, cfg.kv_stages)
-            self._bias_scores(acc_s)
+            self._bias_scores(acc_s, bias_addr)
             self._my_turn(wg)
             self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st)
             self._turn_done(self._next_wg(wg))
@@ -569,28 +581,16 @@ class QKInt8PrefillSm90:
                 v_tok = _landed(v_pipe, st)
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
-            self._bias_scores(acc_s)
+            self._bias_scores(acc_s, bias_addr)
         tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe,
                      tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr,
-                     wg)
-        if cutlass.const_expr(not two_p):
-            for n in cutlass.range(1, n_blocks, unroll=1):
-                k_tok, v_tok = self._tile(n, tOrP, p_lo, tOrP, k_tok, v_tok, *tile_args)
-        else:  # P of tile n in buffer n % 2: the loop unrolled by two keeps the choice static
-            for n in cutlass.range(1, n_blocks, 2, unroll=1):
-                k_tok, v_tok = self._tile(n, tOrP, p_lo2, tOrP2, k_tok, v_tok, *tile_args)
-                if n + 1 < n_blocks:
-                    k_tok, v_tok = self._tile(n + 1, tOrP2, p_lo, tOrP, k_tok, v_tok, *tile_args)
+                     wg, bias_addr)
+        for n in cutlass.range(1, n_blocks, unroll=1):
+            k_tok, v_tok = self._tile(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
-            if cutlass.const_expr(two_p):
-                if (n_blocks - 1) % 2 == 0:
-                    self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
-                else:
-                    self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP2, tOrV, v_pipe, st, v_tok)
-            else:
-                self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
+            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
             if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
                 self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
@@ -640,20 +640,19 @@ class QKInt8PrefillSm90:
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
-    def _tile(self, n, tOrP_prev, p_cur, tOrP_cur, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ,
-              tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2,
-              mKS, ks_base, row_max, row_sum, corr, wg):
+    def _tile(self, n, p_lo, tOrP, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV,
+              acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base,
+              row_max, row_sum, corr, wg, bias_addr):
         """One iteration of the MMA warpgroups' loop, tile n >= 1: QK^T(n) and P V(n-1) (P of tile n-1 in
-        ``tOrP_prev``), the softmax of tile n, the O rescale, P(n) -> ``p_cur`` / ``tOrP_cur``. With one P buffer
-        (``tOrP_cur is tOrP_prev``) P(n) waits for P V(n-1) to finish; with two (``p_buffers``) it leaves the
-        score registers right after the softmax. Returns the early K / V tokens (``early_kv_wait``)."""
+        ``tOrP``), the softmax of tile n, the O rescale, then P(n) -> ``p_lo`` / ``tOrP`` once P V(n-1) is done
+        with them and the score registers refilled with the bias. Returns the early K / V tokens
+        (``early_kv_wait``)."""
         cfg, TN = self.cfg, self.cfg.tile_n
-        two_p = cfg.p_buffers == 2
         st = _consumer_state(n, cfg.kv_stages)
         st_prev = _consumer_state(n - 1, cfg.kv_stages)
         self._my_turn(wg)
         self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
-        self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP_prev, tOrV, v_pipe, st_prev, v_tok)
+        self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
         k_pipe.consumer_release(st)
@@ -662,9 +661,6 @@ class QKInt8PrefillSm90:
             k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
             v_tok = _landed(v_pipe, st)
         self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
-        if cutlass.const_expr(two_p):  # P(n) has registers of its own: out of the score registers now
-            self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
-            self._bias_scores(acc_s)
         warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
         v_pipe.consumer_release(st_prev)
         o_mn = cute.make_tensor(acc_o.iterator, o_rc)
@@ -686,9 +682,8 @@ class QKInt8PrefillSm90:
                 for i in cutlass.range_constexpr(n_rows):
                     for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                         o_mn[i, j] = o_mn[i, j] * corr[i]
-        if cutlass.const_expr(not two_p):
-            self._store_p(s, acc_s.layout, p_cur, tOrP_cur)
-            self._bias_scores(acc_s)
+        self._store_p(s, acc_s.layout, p_lo, tOrP)
+        self._bias_scores(acc_s, bias_addr)
         return k_tok, v_tok
 
     @cute.jit
@@ -802,11 +797,19 @@ class QKInt8PrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _bias_scores(self, acc_s):
+    def _bias_scores(self, acc_s, bias_addr):
         """``bias_in_acc``: the score registers (free once P has been taken out of them) <- the bits of
-        SCORE_BIAS, so that the next QK^T (accumulating) leaves float(S) + SCORE_BIAS in them (see ``_scores``)."""
+        SCORE_BIAS, so that the next QK^T (accumulating) leaves float(S) + SCORE_BIAS in them (see ``_scores``).
+
+        By 16-byte volatile loads of a shared slot (``bias_addr``) rather than one move per register: a quarter
+        of the instructions, none in the FMA / ALU pipes of the softmax, and kept where they are written (ptxas
+        sinks 64 moves, which it can rematerialize, to just before the QK wgmma, into the issue phase)."""
         if cutlass.const_expr(self.bias_in_acc):
-            acc_s.fill(Int32(0x4B400000))
+            bits = cute.recast_tensor(acc_s, Int32)
+            for i in cutlass.range_constexpr(0, cute.size(bits), 4):
+                w = _lds_volatile_b32x4(bias_addr)
+                for j in cutlass.range_constexpr(4):
+                    bits[i + j] = w[j]
 
     @cute.jit
     def _store_p(self, s, acc_layout, p_lo, tOrP):
