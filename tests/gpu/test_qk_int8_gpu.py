@@ -189,6 +189,7 @@ def test_chunk_sums_added_by_the_quantize_kernel_or_chunk_reduce_alike(monkeypat
     # does (one launch more): the same order, so the same mean and bytes, whichever path runs
     gen = torch.Generator().manual_seed(sk + hkv)
     k = _rand((1, sk, hkv, 128), torch.bfloat16, gen, outliers=True, bias=20.0)
+    monkeypatch.setattr(launch, "k_cluster_plan", lambda *a: None)  # the two-kernel path at any length
     outs = []
     for limit in (0, 1 << 20):
         monkeypatch.setattr(launch, "_SUM_IN_QUANT_MAX_CHUNKS", limit)
@@ -202,6 +203,29 @@ def test_chunk_sums_added_by_the_quantize_kernel_or_chunk_reduce_alike(monkeypat
     for a, b, name in zip(outs[0], outs[1], ("k_int8", "k_scale", "k_mean")):
         assert torch.equal(a.view(torch.int8) if a.dtype == torch.int8 else a.view(torch.int32),
                            b.view(torch.int8) if b.dtype == torch.int8 else b.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("b,sk,hkv,d,dtype", [(2, 1, 3, 128, torch.bfloat16), (1, 1000, 2, 128, torch.bfloat16),
+                                               (2, 2048, 3, 128, torch.float16), (1, 1025, 2, 64, torch.bfloat16),
+                                               (3, 1500, 1, 256, torch.float16)])
+def test_one_launch_k_quantization_equals_the_two_kernel_path(monkeypatch, b, sk, hkv, d, dtype):
+    """Short dense K with smoothing: one cluster of CTAs per (sequence, head) holds its rows in registers and sums
+    the mean through distributed shared memory (one launch, K read once); the bytes, scales and mean equal the
+    mean kernel + quantize kernel path bit for bit, and the reference with that mean."""
+    gen = torch.Generator().manual_seed(sk + d)
+    k = _rand((b, sk, hkv, d), dtype, gen, outliers=True, bias=20.0)
+    plan = launch.k_cluster_plan(d, 128, -(-sk // 128))
+    assert plan is not None and plan[0] * plan[1] * 128 >= sk
+    assert launch.k_cluster_plan(d, 128, 17) is None  # longer: the two-kernel path
+    one = launch.quantize_k_int8(k)
+    monkeypatch.setattr(launch, "k_cluster_plan", lambda *a: None)
+    two = launch.quantize_k_int8(k)
+    for x, y, name in zip(one, two, ("k_int8", "k_scale", "k_mean")):
+        assert torch.equal(x.view(torch.int8) if x.dtype == torch.int8 else x.view(torch.int32),
+                           y.view(torch.int8) if y.dtype == torch.int8 else y.view(torch.int32)), name
+    ref = quantize_qk_int8_reference(k[:, :1].cpu(), k.cpu(), k_mean=one[2].cpu())
+    _assert_int8_equal(one[0], ref[2], "k_int8")
+    _assert_bits_equal(one[1], ref[3], "k_scale")
 
 
 def test_zero_tiny_and_constant_groups():

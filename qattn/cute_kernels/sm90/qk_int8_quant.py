@@ -10,6 +10,12 @@ passes one total per column, added up by :mod:`chunk_reduce`; several partial su
 order; one RN fp64 division by the length, one RN conversion to fp32), writes it out, and quantizes
 ``x - mean`` (one RN fp32 subtraction).
 
+One launch for short K (``cluster``, ``groups_per_cta``; dense K with smoothing, no balance, at most
+``CLUSTER_MAX_GROUPS_PER_CTA`` groups per CTA, ``qattn.quant.launch.k_cluster_plan``): the ``cluster`` CTAs of
+one cluster hold all rows of one (sequence, head) in registers; each adds up its rows in fp64 (exact, like
+:mod:`qk_int8_kmean`), and after a cluster barrier every CTA adds the CTAs' sums in rank order through
+distributed shared memory and quantizes as above: K read once, no mean kernel, the same mean and bytes.
+
 Channel balancing (``balance``, ``qattn.quant.qk_int8`` explains it): ``"k"`` -- the K kernel also derives the
 power-of-two ``lam = 2^e`` of every channel of its kv head from the K range totals and the Q amax totals of the
 head's q heads (:mod:`qk_int8_kmean` + :mod:`chunk_reduce`), writes ``lam`` out and quantizes
@@ -47,7 +53,7 @@ from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_s8x4, mul_rn, sub_rn
 from qattn.interface.variants import Variant, cache_for, register
 
-__all__ = ["QKInt8Quant", "balance_log2", "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
+__all__ = ["QKInt8Quant", "CLUSTER_MAX_GROUPS_PER_CTA", "CLUSTER_SIZE", "CLUSTER_TILE_VALUES", "balance_log2", "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
            "div_rn_f64", "f64_to_f32_rn"]
 
 KIND = "qk_int8_quant"
@@ -58,6 +64,9 @@ BALANCE_MAX_LOG2 = 32  # = qattn.quant.qk_int8.BALANCE_MAX_LOG2
 BALANCES = (None, "k", "q")
 _MAX_THREADS = 1024
 _TARGET_TILE_ROWS = 128  # rows per CTA: 128 x 16-bit x head_dim 128 = 32 KB in flight per CTA
+CLUSTER_TILE_VALUES = 512 * 128  # cluster CTAs: at most 512 threads x 128 values, the tile in registers
+CLUSTER_SIZE = 8  # CTAs per cluster (one (sequence, head) each) of the one-launch K quantization: the portable max
+CLUSTER_MAX_GROUPS_PER_CTA = 2  # beyond, the two-kernel path is faster (qattn.quant.launch.k_cluster_plan)
 
 
 def _asm(result_type, operands, text: str, constraints: str):
@@ -138,6 +147,32 @@ def balance_log2(amax_q: Float32, amax_k: Float32) -> Int32:
     return e
 
 
+@dsl_user_op
+def _ld_cluster_f64(smem_addr, rank, *, loc=None, ip=None) -> Float64:
+    """The fp64 at shared address ``smem_addr`` of CTA ``rank`` of this cluster."""
+    ops = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)]
+    return Float64(_asm(T.f64(), ops, "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $1, $2;\n\t"
+                                      "ld.shared::cluster.f64 $0, [a];\n\t}", "=d,r,r"))
+
+
+@dsl_user_op
+def _add_word_f64(acc_lo, acc_hi, word, in_bf16: bool, *, loc=None, ip=None) -> tuple:
+    """(acc_lo + lo, acc_hi + hi) in fp64, lo / hi the 16-bit values packed in ``word`` (exact widening). An asm
+    body of its own, like ``word_absmax``: the compiler keeps the packed words, not their fp32 widening, alive
+    for the quantize pass."""
+    if in_bf16:
+        widen = "shl.b32 l, $4, 16;\n\tand.b32 h, $4, 0xFFFF0000;\n\tcvt.f64.f32 dl, l;\n\tcvt.f64.f32 dh, h;\n\t"
+    else:
+        widen = "mov.b32 {x, y}, $4;\n\tcvt.f64.f16 dl, x;\n\tcvt.f64.f16 dh, y;\n\t"
+    text = ("{\n\t.reg .b32 l, h;\n\t.reg .b16 x, y;\n\t.reg .f64 dl, dh;\n\t" + widen
+            + "add.rn.f64 $0, $2, dl;\n\tadd.rn.f64 $1, $3, dh;\n\t}")
+    ops = [Float64(acc_lo).ir_value(loc=loc, ip=ip), Float64(acc_hi).ir_value(loc=loc, ip=ip),
+           Uint32(word).ir_value(loc=loc, ip=ip)]
+    res = _asm(llvm.StructType.get_literal([T.f64(), T.f64()]), ops, text, "=d,=d,d,d,r")
+    return (Float64(llvm.extractvalue(T.f64(), res, [0], loc=loc, ip=ip)),
+            Float64(llvm.extractvalue(T.f64(), res, [1], loc=loc, ip=ip)))
+
+
 def _gptr(dtype, addr, align: int):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -150,7 +185,7 @@ class QKInt8Quant:
     """
 
     def __init__(self, head_dim: int, group_rows: int, in_bf16: bool = True, subtract_mean: bool = False,
-                 varlen: bool = False, balance=None):
+                 varlen: bool = False, balance=None, cluster: int = 0, groups_per_cta: int | None = None):
         if balance not in BALANCES:
             raise ValueError(f"balance: expected one of {BALANCES}, got {balance!r}")
         if balance == "q" and subtract_mean:
@@ -165,7 +200,19 @@ class QKInt8Quant:
         self.in_bf16 = bool(in_bf16)
         self.subtract_mean = bool(subtract_mean)
         self.varlen = bool(varlen)
-        self.groups_per_cta = max(1, _TARGET_TILE_ROWS // group_rows)
+        # cluster (K smoothing, dense, no balance): the ``cluster`` CTAs of one (sequence, head) hold all its rows
+        # and add up the K mean themselves (through distributed shared memory), so K is read once, in one launch
+        self.cluster = cluster
+        if cluster:
+            if cluster not in (2, 4, 8) or not subtract_mean or varlen or balance is not None:
+                raise ValueError("cluster: 2, 4 or 8 CTAs, for the dense K quantization with mean subtraction "
+                                 f"and no balance, got cluster={cluster}")
+            if not groups_per_cta or groups_per_cta * group_rows * head_dim > CLUSTER_TILE_VALUES:
+                raise ValueError(f"groups_per_cta: a cluster CTA holds at most {CLUSTER_TILE_VALUES} values, "
+                                 f"got {groups_per_cta} groups of {group_rows} rows x {head_dim}")
+        elif groups_per_cta is not None:
+            raise ValueError("groups_per_cta: only set with cluster")
+        self.groups_per_cta = groups_per_cta or max(1, _TARGET_TILE_ROWS // group_rows)
         self.tile_rows = self.groups_per_cta * group_rows
         self.threads_per_row = head_dim // 8  # 8 values (one 16-byte load, one 8-byte store) per thread
         # about 128 values per thread, at least one thread per mean column, whole warps
@@ -180,6 +227,8 @@ class QKInt8Quant:
     @property
     def key(self) -> tuple:
         key = ("bf16" if self.in_bf16 else "fp16", self.head_dim, self.group_rows, self.subtract_mean, self.varlen)
+        if self.cluster:
+            key += ("cluster", self.cluster, self.groups_per_cta)
         return key if self.balance is None else key + ("balance_" + self.balance,)
 
     # --------------------------------------------------------------------------------------------
@@ -207,10 +256,14 @@ class QKInt8Quant:
         stream: cuda.CUstream,
     ):
         grid_x = (num_groups + self.groups_per_cta - 1) // self.groups_per_cta
-        self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, k_range_addr, q_amax_addr,
-                    balance_addr, batch, seqlen, num_heads, num_groups, num_chunks, q_per_kv, stride_b, stride_s,
-                    stride_h).launch(
-            grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
+        launcher = self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, k_range_addr,
+                               q_amax_addr, balance_addr, batch, seqlen, num_heads, num_groups, num_chunks, q_per_kv,
+                               stride_b, stride_s, stride_h)
+        if cutlass.const_expr(self.cluster > 0):  # one cluster per (sequence, head): the launcher sizes the tiles
+            launcher.launch(grid=(self.cluster, num_heads, batch), block=(self.threads, 1, 1),
+                            cluster=[self.cluster, 1, 1], stream=stream)
+        else:
+            launcher.launch(grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, x_addr: Int64, out_addr: Int64, scale_addr: Int64, partial_addr: Int64, mean_addr: Int64,
@@ -220,7 +273,7 @@ class QKInt8Quant:
         D, G, TPR, RPP = self.head_dim, self.group_rows, self.threads_per_row, self.rows_per_pass
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.subtract_mean):
+        if cutlass.const_expr(self.subtract_mean and not self.cluster):
             # K is read a second time here (the mean kernel read it first, in grid order): walking the grid
             # backwards starts on the rows the mean kernel read last, which are likely still in L2.
             n_tiles, n_heads, n_batch = cute.arch.grid_dim()
@@ -268,7 +321,11 @@ class QKInt8Quant:
         if tidx < self.groups_per_cta:
             sAmax[tidx] = Float32(0.0)
         bh = Int64(b) * Int64(num_heads) + Int64(head)
-        if cutlass.const_expr(self.subtract_mean):
+        if cutlass.const_expr(self.cluster > 0):
+            sRows = smem.allocate_tensor(Float64, cute.make_layout((D, RPP), stride=(1, D)), byte_alignment=16)
+            sCta = smem.allocate_tensor(Float64, cute.make_layout(D), byte_alignment=16)
+            self._cluster_mean(rX, sRows, sCta, sMean, tidx, tile, part, rip, length, mean_addr + bh * Int64(D * 4))
+        elif cutlass.const_expr(self.subtract_mean):
             if tidx < D:
                 # fixed order over the chunks: every CTA of this (sequence, head) gets the same mean
                 mPart = cute.make_tensor(_gptr(Float64, partial_addr + bh * Int64(num_chunks * D * 8), 8),
@@ -368,17 +425,55 @@ class QKInt8Quant:
                                               mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
                     dst = out_base + (out_row0 + Int64(row)) * row_bytes
                     cute.copy(vec64, rQ, cute.make_tensor(_gptr(Uint32, dst, 8), cute.make_layout(2)))
+        if cutlass.const_expr(self.cluster > 0):
+            cute.arch.cluster_wait()  # the other CTAs have read this one's sums: its shared memory may go
+
+    @cute.jit
+    def _cluster_mean(self, rX: cute.Tensor, sRows: cute.Tensor, sCta: cute.Tensor, sMean: cute.Tensor, tidx, rank,
+                      part, rip, length, mean_addr: Int64):
+        """``cluster``: the mean of every column over all rows of this (sequence, head) into ``sMean``, and (CTA 0)
+        into gmem. fp64 sums, exact for bf16 / fp16 inputs (see ``qk_int8_kmean``), so the order of the adds does
+        not matter and the mean equals the two-kernel path's: per thread over its rows, per CTA in shared memory
+        (fixed order), then every CTA adds the cluster's CTA sums in rank order through distributed shared
+        memory (``sRows``: (D, rows_per_pass) per-thread sums, ``sCta``: (D,) this CTA's). Leaves one cluster
+        barrier phase open (its wait closes the kernel)."""
+        D, RPP = self.head_dim, self.rows_per_pass
+        acc = [Float64(0.0)] * 8
+        for p in cutlass.range_constexpr(self.passes):  # rows past the sequence were loaded as zeros
+            for w in cutlass.range_constexpr(4):
+                acc[2 * w], acc[2 * w + 1] = _add_word_f64(acc[2 * w], acc[2 * w + 1], rX[w, p], self.in_bf16)
+        for i in cutlass.range_constexpr(8):
+            sRows[part * 8 + i, rip] = acc[i]
+        cute.arch.sync_threads()
+        if tidx < D:
+            t = Float64(0.0)
+            for r in cutlass.range_constexpr(RPP):
+                t = t + sRows[tidx, r]
+            sCta[tidx] = t
+        cute.arch.cluster_arrive()  # release: this CTA's sums are written
+        cute.arch.cluster_wait()  # acquire: so are everyone's
+        if tidx < D:
+            total = Float64(0.0)
+            addr = sCta.iterator.toint() + tidx * 8
+            for r in cutlass.range_constexpr(self.cluster):
+                total = total + _ld_cluster_f64(addr, r)
+            n = Int32(cutlass.select_(length > 0, length, Int32(1)))  # an empty sequence: 0 / 1
+            mean = f64_to_f32_rn(div_rn_f64(total, Float64(n)))
+            sMean[tidx] = mean
+            if rank == 0:
+                cute.make_tensor(_gptr(Float32, mean_addr, 4), cute.make_layout(D))[tidx] = mean
+        cute.arch.cluster_arrive()
+
+    def _widen(self, word) -> tuple:
+        """The two 16-bit values packed in ``word`` as fp32 (exact)."""
+        return bf16x2_to_f32x2(word) if self.in_bf16 else fp4.f16x2_to_f32x2(word)
 
     def _values(self, rX: cute.Tensor, rMean: cute.Tensor, rLam: cute.Tensor, p: int) -> list:
         """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction; times the
         balance factor, exact). Plain Python, unrolled while the kernel is traced."""
         vals = []
         for w in range(4):
-            word = rX[w, p]
-            if self.in_bf16:
-                lo, hi = bf16x2_to_f32x2(word)
-            else:
-                lo, hi = fp4.f16x2_to_f32x2(word)
+            lo, hi = self._widen(rX[w, p])
             if self.subtract_mean:
                 lo = sub_rn(lo, rMean[2 * w])
                 hi = sub_rn(hi, rMean[2 * w + 1])
@@ -433,4 +528,11 @@ def _quant_variants(arch: str, head_dims=None, balance_qk: bool = False, **_):
                         label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows{rows}{' mean' if mean else ''}"
                                  f"{' varlen' if varlen else ''}{' balance ' + bal if bal else ''}")
                         out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+            # the one-launch K quantization of short sequences (qattn.quant.launch.cluster_groups_per_cta)
+            gpc = 1
+            while gpc <= CLUSTER_MAX_GROUPS_PER_CTA and gpc * 128 * d <= CLUSTER_TILE_VALUES:
+                cfg = QKInt8Quant(d, 128, in_bf16, True, False, None, CLUSTER_SIZE, gpc)
+                label = f"{'bf16' if in_bf16 else 'fp16'} D{d} rows128 mean cluster{CLUSTER_SIZE}x{gpc}"
+                out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+                gpc *= 2
     return out
