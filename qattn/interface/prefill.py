@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig
+from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, use_lpt_grid
 from .fast_launch import fast, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
@@ -33,7 +33,8 @@ def prefill_compile_args():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    return [Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), cute.runtime.make_fake_stream()]
+    return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
+            + [cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -142,7 +143,9 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         _prefill_kernel(arch, cfg)(
             addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-            softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance), stream_handle(dev))
+            softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
+            int(use_lpt_grid(cfg, num_seqs, Hkv, seqlen_k if cu_k is not None else num_seqs * seqlen_k)),
+            stream_handle(dev))
 
 
 def prefill_int8(

@@ -228,3 +228,19 @@ def test_bias_in_acc_replaces_the_per_score_add(D, pv, causal, on):
     with pytest.raises(ValueError, match="bias_in_acc"):
         PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", qk_dtype="bf16",
                       bias_in_acc=True)
+
+
+def test_longest_first_grid_only_for_causal_grids_whose_kv_fits_in_l2():
+    """``use_lpt_grid``: causal grids whose K and V (all heads) fit in LPT_GRID_MAX_KV_BYTES run longest-first
+    across heads; larger ones and non-causal grids keep the head-by-head order."""
+    from qattn.cute_kernels.sm90.prefill_config import LPT_GRID_MAX_KV_BYTES, use_lpt_grid
+
+    causal = PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp")
+    full = PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
+    fp8 = PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype="fp8")
+    assert use_lpt_grid(causal, 2, 16, 2 * 4096)  # 48 MiB of int8 K + bf16 V
+    assert not use_lpt_grid(causal, 2, 16, 2 * 8192)  # 96 MiB
+    assert not use_lpt_grid(full, 2, 16, 2 * 1024)
+    keys = LPT_GRID_MAX_KV_BYTES // (16 * 128 * 3)
+    assert use_lpt_grid(causal, 1, 16, keys) and not use_lpt_grid(causal, 1, 16, keys + 1)
+    assert use_lpt_grid(fp8, 1, 16, LPT_GRID_MAX_KV_BYTES // (16 * 128 * 2))  # E4M3 V: 2 bytes per key and channel

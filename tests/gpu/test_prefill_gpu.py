@@ -354,6 +354,36 @@ def test_bias_in_acc_identical_at_head_dim_128_dense_and_varlen(sk):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8")])
+def test_longest_first_grid_gives_identical_outputs(monkeypatch, D, pv_dtype):
+    """Causal: the longest-first order across heads (``use_lpt_grid``, grid z = query tile) == the head-by-head
+    order, bit for bit; dense (GQA, ragged tiles) and varlen (tiles past a sequence's end)."""
+    import qattn.interface.prefill as pf
+    from qattn.quant.v_fp8 import quantize_v_fp8
+
+    q, k, v = _inputs(2, 700, 900, 4, 2, D, torch.bfloat16, outliers="heavy", seed=D + 11)
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    kw = dict(causal=True, return_lse=True, pv_dtype=pv_dtype)
+    if pv_dtype == "fp8":
+        v, vs = quantize_v_fp8(v)
+        kw.update(v_scale=vs, out_dtype=torch.bfloat16)
+    outs = []
+    for lpt in (False, True):
+        monkeypatch.setattr(pf, "use_lpt_grid", lambda *a, lpt=lpt: lpt)
+        outs.append(pf.prefill_int8(q, None, k8, ks, v, **kw))
+    assert torch.isfinite(outs[0][0]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    if pv_dtype == "bf16":
+        lens_q, lens_k = [1, 300, 700], [900, 5, 700]
+        seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D)
+        outs = []
+        for lpt in (False, True):
+            monkeypatch.setattr(pf, "use_lpt_grid", lambda *a, lpt=lpt: lpt)
+            outs.append(pf.prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                               return_lse=True))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------
 # Kernel error: vs ``prefill_fp8pv_emulation`` on the same int8 Q/K and E4M3 V (tight: only accumulation order,
 # ex2.approx and the output rounding differ). Format error: vs exact fp64 attention (FP8 P and V cost ~3.5% NRMSE,

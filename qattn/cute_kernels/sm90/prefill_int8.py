@@ -231,7 +231,7 @@ class QKInt8PrefillSm90:
         q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        v_scale_addr: Int64, qk_balance_addr: Int64, stream: cuda.CUstream,
+        v_scale_addr: Int64, qk_balance_addr: Int64, lpt_grid: Int32, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -320,10 +320,15 @@ class QKInt8PrefillSm90:
                 sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
         if cutlass.const_expr(self.fp8):
-            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr)
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_grid)
         else:
-            launcher = self.kernel(*args, qk_balance_addr)
-        launcher.launch(grid=(num_m_blocks, num_heads, num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            launcher = self.kernel(*args, qk_balance_addr, lpt_grid)
+        # lpt_grid (causal): the query tiles of all heads and sequences in one longest-first order (grid z), not
+        # sequence by sequence (``prefill_config.use_lpt_grid``)
+        lpt = lpt_grid != 0
+        grid = (Int32(cutlass.select_(lpt, num_heads, num_m_blocks)), Int32(cutlass.select_(lpt, num_seqs, num_heads)),
+                Int32(cutlass.select_(lpt, num_m_blocks, num_seqs)))
+        launcher.launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                         min_blocks_per_mp=1)
 
     # ----------------------------------------------------------------------------------------------
@@ -337,13 +342,13 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        qk_balance_addr: Int64,
+        qk_balance_addr: Int64, lpt_grid: Int32,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
-                   qk_balance_addr)
+                   qk_balance_addr, lpt_grid)
 
     @cute.kernel
     def kernel_fp8(
@@ -355,29 +360,33 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64,
+        mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_grid: Int32,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-                   qk_balance_addr)
+                   qk_balance_addr, lpt_grid)
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
               sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
               num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-              qk_balance_addr):
+              qk_balance_addr, lpt_grid):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
-        bid_m, h, b = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
+        lpt = lpt_grid != 0
+        bid_m, h, b = cutlass.select_(lpt, bz, bx), cutlass.select_(lpt, bx, by), cutlass.select_(lpt, by, bz)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
-        # Longest causal rows first: the last query tiles see the most keys.
+        # Longest causal rows first: the last query tiles see the most keys (with lpt_grid across all heads and
+        # sequences, else within each (sequence, head)).
         m_block = bid_m
         if cutlass.const_expr(cfg.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bid_m
+            gx, _, gz = cute.arch.grid_dim()
+            m_block = cutlass.select_(lpt, gz, gx) - 1 - bid_m
         group = num_heads // num_kv_heads
         h_kv = h // group
         # This CTA's sequence: b_t is its batch index in the (seqlen, dim, head, batch) tensors, its rows start at
