@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, use_lpt_grid
+from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, lpt_group
 from .fast_launch import fast, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
@@ -130,6 +130,11 @@ def _check_qkv_16bit(q, k, v) -> None:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _lpt_group(cfg: PrefillConfig, num_units: int, q_per_kv: int, keys_per_unit: int) -> int:
+    return lpt_group(cfg, num_units, q_per_kv, keys_per_unit) if cfg.causal else 1
+
+
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
             softmax_scale: float, v_scale=None, qk_balance=None) -> None:
@@ -144,7 +149,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
-            int(use_lpt_grid(cfg, num_seqs, Hkv, seqlen_k if cu_k is not None else num_seqs * seqlen_k)),
+            _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
             stream_handle(dev))
 
 

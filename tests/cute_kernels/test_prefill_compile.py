@@ -230,17 +230,20 @@ def test_bias_in_acc_replaces_the_per_score_add(D, pv, causal, on):
                       bias_in_acc=True)
 
 
-def test_longest_first_grid_only_for_causal_grids_whose_kv_fits_in_l2():
-    """``use_lpt_grid``: causal grids whose K and V (all heads) fit in LPT_GRID_MAX_KV_BYTES run longest-first
-    across heads; larger ones and non-causal grids keep the head-by-head order."""
-    from qattn.cute_kernels.sm90.prefill_config import LPT_GRID_MAX_KV_BYTES, use_lpt_grid
+def test_causal_grid_groups():
+    """``lpt_group``: up to LPT_GROUP_UNITS (sequence, head) units per longest-first group, a divisor of their
+    number, while K and V of all units fit in LPT_GROUP_KV_BYTES (GQA: q heads of one kv head count it once);
+    head by head (1) beyond."""
+    from qattn.cute_kernels.sm90.prefill_config import LPT_GROUP_KV_BYTES, LPT_GROUP_UNITS, lpt_group
 
     causal = PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp")
-    full = PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
     fp8 = PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp", pv_dtype="fp8")
-    assert use_lpt_grid(causal, 2, 16, 2 * 4096)  # 48 MiB of int8 K + bf16 V
-    assert not use_lpt_grid(causal, 2, 16, 2 * 8192)  # 96 MiB
-    assert not use_lpt_grid(full, 2, 16, 2 * 1024)
-    keys = LPT_GRID_MAX_KV_BYTES // (16 * 128 * 3)
-    assert use_lpt_grid(causal, 1, 16, keys) and not use_lpt_grid(causal, 1, 16, keys + 1)
-    assert use_lpt_grid(fp8, 1, 16, LPT_GRID_MAX_KV_BYTES // (16 * 128 * 2))  # E4M3 V: 2 bytes per key and channel
+    assert LPT_GROUP_UNITS == 8
+    assert lpt_group(causal, 32, 1, 4096) == 8  # 48 MiB of int8 K + bf16 V
+    assert lpt_group(causal, 32, 1, 8192) == 1  # 96 MiB
+    assert lpt_group(causal, 32, 4, 8192) == 8  # GQA 4: 24 MiB
+    assert lpt_group(fp8, 32, 1, 8192) == 8 and lpt_group(fp8, 32, 1, 8200) == 1  # E4M3 V: 64 MiB, a bit more
+    assert lpt_group(causal, 7, 1, 100) == 7 and lpt_group(causal, 12, 1, 100) == 6 and lpt_group(causal, 5, 1, 1) == 5
+    assert lpt_group(causal, 11, 1, 100) == 1 and lpt_group(causal, 22, 1, 100) == 2
+    assert 32 * 4096 * 128 * 3 <= LPT_GROUP_KV_BYTES < 32 * 8192 * 128 * 3
+    assert lpt_group(causal, 8 * 65535, 64, 1) == 8 and lpt_group(causal, 8 * 65536, 64, 1) == 1  # grid z <= 65535

@@ -355,9 +355,9 @@ def test_bias_in_acc_identical_at_head_dim_128_dense_and_varlen(sk):
 
 
 @pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8")])
-def test_longest_first_grid_gives_identical_outputs(monkeypatch, D, pv_dtype):
-    """Causal: the longest-first order across heads (``use_lpt_grid``, grid z = query tile) == the head-by-head
-    order, bit for bit; dense (GQA, ragged tiles) and varlen (tiles past a sequence's end)."""
+def test_causal_grid_groups_give_identical_outputs(monkeypatch, D, pv_dtype):
+    """Causal: every grouping of the (sequence, head) units (``lpt_group``: 1 = head by head, 2, all 8) gives the
+    same outputs, bit for bit; dense (GQA, ragged tiles) and varlen (tiles past a sequence's end)."""
     import qattn.interface.prefill as pf
     from qattn.quant.v_fp8 import quantize_v_fp8
 
@@ -368,20 +368,22 @@ def test_longest_first_grid_gives_identical_outputs(monkeypatch, D, pv_dtype):
         v, vs = quantize_v_fp8(v)
         kw.update(v_scale=vs, out_dtype=torch.bfloat16)
     outs = []
-    for lpt in (False, True):
-        monkeypatch.setattr(pf, "use_lpt_grid", lambda *a, lpt=lpt: lpt)
+    for g in (1, 2, 8):
+        monkeypatch.setattr(pf, "_lpt_group", lambda *a, g=g: g)
         outs.append(pf.prefill_int8(q, None, k8, ks, v, **kw))
     assert torch.isfinite(outs[0][0]).all()
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for o in outs[1:]:
+        assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
     if pv_dtype == "bf16":
         lens_q, lens_k = [1, 300, 700], [900, 5, 700]
         seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D)
         outs = []
-        for lpt in (False, True):
-            monkeypatch.setattr(pf, "use_lpt_grid", lambda *a, lpt=lpt: lpt)
+        for g in (1, 3, 12):  # 3 sequences x 4 heads
+            monkeypatch.setattr(pf, "_lpt_group", lambda *a, g=g: g)
             outs.append(pf.prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                return_lse=True))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        for o in outs[1:]:
+            assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
 
 
 # ---- FP8 P x V (pv_dtype="fp8") ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def prefill_fn():
 
 def test_layout_follows_the_signature(prefill_fn):
     f = FastLaunch(prefill_fn)
-    # 9 addresses, 9 sizes, the softmax scale, the fp8 V-scale and channel-balance addresses, the grid order, the
+    # 9 addresses, 9 sizes, the softmax scale, the fp8 V-scale and channel-balance addresses, the causal grouping, the
     # stream
     assert f._ctypes == ([ctypes.c_int64] * 9 + [ctypes.c_int32] * 9
                          + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p])

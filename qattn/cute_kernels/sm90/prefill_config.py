@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LPT_GRID_MAX_KV_BYTES",
-           "default_early_kv_wait", "use_lpt_grid"]
+__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LPT_GROUP_KV_BYTES",
+           "LPT_GROUP_UNITS", "default_early_kv_wait", "lpt_group"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -46,23 +46,31 @@ def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
     return head_dim == 128 and pv_dtype == "bf16"
 
 
-# K and V bytes (all heads and sequences) up to which a causal grid runs longest-first across heads (use_lpt_grid)
-LPT_GRID_MAX_KV_BYTES = 64 << 20
+# causal grids (lpt_group): (sequence, head) units per longest-first group, and the K + V bytes of all units up
+# to which grouping pays
+LPT_GROUP_UNITS = 8
+LPT_GROUP_KV_BYTES = 64 << 20
+_MAX_GRID_Z = 65535
 
 
-def use_lpt_grid(cfg: "PrefillConfig", num_seqs: int, num_kv_heads: int, total_keys: int) -> bool:
-    """Causal: order the query tiles of *all* heads and sequences longest first (grid z = tile, reversed), not
-    head by head -- the long tiles no longer finish last -- as long as every head's K and V fit in L2 together
-    (``total_keys`` = keys of all sequences; ``LPT_GRID_MAX_KV_BYTES``): otherwise the CTAs that run together
-    should share one head's K and V. A runtime choice (a kernel argument, no second compile).
-    H100, kernel only, CUDA graph, B2 H16 (K + V bytes), time vs the head-by-head order: D128 S2K (25 MB) 0.944x,
-    S4K (50 MB) 0.974x, D64 S4K (25 MB) 0.891x, S8K (50 MB) 0.944x; beyond: D128 S8K (100 MB) 1.070x, S16K
-    1.082x, D64 S16K (100 MB) 1.012x, FP8 P x V D128 S8K (67 MB) 1.006x."""
-    if not cfg.causal:
-        return False
+def lpt_group(cfg: "PrefillConfig", num_units: int, q_per_kv: int, keys_per_unit: int) -> int:
+    """Causal grids: how many of the ``num_units`` (sequence, q head) units run as one group whose query tiles go
+    longest first, groups one after the other (``QKInt8PrefillSm90._causal_position``): the largest divisor of
+    ``num_units`` up to ``LPT_GROUP_UNITS`` while the K and V of all units (``keys_per_unit`` keys each;
+    ``q_per_kv`` q heads share a kv head) fit in ``LPT_GROUP_KV_BYTES``, else 1 (head by head, longest first). A
+    runtime choice: it only shapes the grid.
+
+    H100, kernel only, CUDA graph, B2 H16 (32 units), groups of 8 vs head by head: D128 S2K (K + V 24 MiB) 0.900x
+    the time, S4K (48 MiB) 0.947x, D64 S2K 0.846x, S4K 0.884x, S8K (48 MiB) 0.928 / 0.911x, FP8 P x V D128 S8K
+    (64 MiB) 0.961 / 0.980x (one group of 32: 0.935, 0.993, 0.868, 0.892, 0.919, 0.994x). Larger K + V: D128 S8K
+    (96 MiB) groups of 4 / 8 / 16 1.053 / 1.038 / 1.084x, S16K 1.004 / 1.022 / 1.039x, D64 S16K 0.970 / 0.984 /
+    1.003x, so head by head there."""
     k_bytes = 1 if cfg.qk_dtype == "int8" else 2
-    kv_bytes = total_keys * num_kv_heads * cfg.head_dim * (k_bytes + (1 if cfg.pv_dtype == "fp8" else 2))
-    return kv_bytes <= LPT_GRID_MAX_KV_BYTES
+    unit_bytes = keys_per_unit * cfg.head_dim * (k_bytes + (1 if cfg.pv_dtype == "fp8" else 2)) / q_per_kv
+    if num_units * unit_bytes > LPT_GROUP_KV_BYTES:
+        return 1
+    g = max(g for g in range(1, min(LPT_GROUP_UNITS, num_units) + 1) if num_units % g == 0)
+    return g if num_units // g <= _MAX_GRID_Z else 1  # the groups are the grid's z
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ class QKInt8PrefillSm90:
         q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        v_scale_addr: Int64, qk_balance_addr: Int64, lpt_grid: Int32, stream: cuda.CUstream,
+        v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -320,14 +320,14 @@ class QKInt8PrefillSm90:
                 sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
         if cutlass.const_expr(self.fp8):
-            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_grid)
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group)
         else:
-            launcher = self.kernel(*args, qk_balance_addr, lpt_grid)
-        # lpt_grid (causal): the query tiles of all heads and sequences in one longest-first order (grid z), not
-        # sequence by sequence (``prefill_config.use_lpt_grid``)
-        lpt = lpt_grid != 0
-        grid = (Int32(cutlass.select_(lpt, num_heads, num_m_blocks)), Int32(cutlass.select_(lpt, num_seqs, num_heads)),
-                Int32(cutlass.select_(lpt, num_m_blocks, num_seqs)))
+            launcher = self.kernel(*args, qk_balance_addr, lpt_group)
+        # causal, lpt_group > 1: (unit in group, tile, group), see ``_causal_position``
+        grouped = lpt_group > 1
+        grid = (Int32(cutlass.select_(grouped, lpt_group, num_m_blocks)),
+                Int32(cutlass.select_(grouped, num_m_blocks, num_heads)),
+                Int32(cutlass.select_(grouped, num_heads * num_seqs // lpt_group, num_seqs)))
         launcher.launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                         min_blocks_per_mp=1)
 
@@ -342,13 +342,13 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        qk_balance_addr: Int64, lpt_grid: Int32,
+        qk_balance_addr: Int64, lpt_group: Int32,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
-                   qk_balance_addr, lpt_grid)
+                   qk_balance_addr, lpt_group)
 
     @cute.kernel
     def kernel_fp8(
@@ -360,33 +360,28 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_grid: Int32,
+        mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-                   qk_balance_addr, lpt_grid)
+                   qk_balance_addr, lpt_group)
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
               sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
               num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-              qk_balance_addr, lpt_grid):
+              qk_balance_addr, lpt_group):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, bz = cute.arch.block_idx()
-        lpt = lpt_grid != 0
-        bid_m, h, b = cutlass.select_(lpt, bz, bx), cutlass.select_(lpt, bx, by), cutlass.select_(lpt, by, bz)
+        bid_m, h, b = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
-        # Longest causal rows first: the last query tiles see the most keys (with lpt_grid across all heads and
-        # sequences, else within each (sequence, head)).
         m_block = bid_m
         if cutlass.const_expr(cfg.causal):
-            gx, _, gz = cute.arch.grid_dim()
-            m_block = cutlass.select_(lpt, gz, gx) - 1 - bid_m
+            m_block, h, b = self._causal_position(num_heads, lpt_group)
         group = num_heads // num_kv_heads
         h_kv = h // group
         # This CTA's sequence: b_t is its batch index in the (seqlen, dim, head, batch) tensors, its rows start at
@@ -483,6 +478,21 @@ class QKInt8PrefillSm90:
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
                           scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr,
                           bias_addr)
+
+    @cute.jit
+    def _causal_position(self, num_heads: Int32, lpt_group: Int32):
+        """(query tile, head, sequence) of this CTA in a causal grid. The longest query tiles run first (the last
+        tiles see the most keys, so the short ones fill the end): with ``lpt_group`` > 1 (``prefill_config.
+        lpt_group``) for groups of that many (sequence, head) units together, one group after the other, grid
+        (unit in group, tile, group); with 1 head by head, grid (tile, head, sequence)."""
+        x, y, z = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        grouped = lpt_group > 1
+        unit = z * gx + x
+        m_block = cutlass.select_(grouped, gy - 1 - y, gx - 1 - x)
+        h = cutlass.select_(grouped, unit % num_heads, y)
+        b = cutlass.select_(grouped, unit // num_heads, z)
+        return m_block, h, b
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
