@@ -53,7 +53,8 @@ from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_s8x4, mul_rn, sub_rn
 from qattn.interface.variants import Variant, cache_for, register
 
-__all__ = ["QKInt8Quant", "CLUSTER_MAX_GROUPS_PER_CTA", "CLUSTER_SIZE", "CLUSTER_TILE_VALUES", "balance_log2", "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
+__all__ = ["QKInt8Quant", "CLUSTER_MAX_GROUPS_PER_CTA", "CLUSTER_SIZE", "CLUSTER_TILE_VALUES", "balance_log2",
+           "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
            "div_rn_f64", "f64_to_f32_rn"]
 
 KIND = "qk_int8_quant"
