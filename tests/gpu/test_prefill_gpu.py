@@ -314,20 +314,28 @@ def test_flash_attn_func_per_warp_equals_full_prepass(pv_dtype, causal):
     assert_flash_attn_func_equals_prepass_path(_loud_q(q), k, v, causal, pv_dtype)
 
 
+def _ab_inputs(sq: int, sk: int, D: int, pv_dtype: str, causal: bool, seed: int):
+    """Inputs of the A/B tests below (B2, 4 q heads, 2 kv heads, "heavy" outliers): 16-bit q, its prepass int8
+    q8 / qs, k8 / ks, V (E4M3 V^T for FP8 P x V) and the prefill_int8 keywords."""
+    from qattn.quant.v_fp8 import quantize_v_fp8
+
+    q, k, v = _inputs(2, sq, sk, 4, 2, D, torch.bfloat16, outliers="heavy", seed=seed)
+    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
+    kw = dict(causal=causal, return_lse=True, pv_dtype=pv_dtype)
+    if pv_dtype == "fp8":
+        v, vs = quantize_v_fp8(v)
+        kw.update(v_scale=vs, out_dtype=torch.bfloat16)
+    return q, q8, qs, k8, ks, v, kw
+
+
 @pytest.mark.parametrize("D,pv_dtype,causal", [(128, "bf16", True), (64, "bf16", False), (128, "fp8", True),
                                                 (64, "fp8", False)])
 def test_bias_in_acc_gives_identical_outputs(D, pv_dtype, causal):
     """QK^T accumulating onto the score bias (``PrefillConfig.bias_in_acc``) == adding the bias after it, bit for
     bit: ragged lengths (masked tiles), in-kernel Q quantization and the prepass's int8 Q, GQA."""
     from qattn.interface.prefill import prefill_int8
-    from qattn.quant.v_fp8 import quantize_v_fp8
 
-    q, k, v = _inputs(2, 333, 1000, 4, 2, D, torch.bfloat16, outliers="heavy", seed=D + 3)
-    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
-    kw = dict(causal=causal, return_lse=True, pv_dtype=pv_dtype)
-    if pv_dtype == "fp8":
-        v, vs = quantize_v_fp8(v)
-        kw.update(v_scale=vs, out_dtype=torch.bfloat16)
+    q, q8, qs, k8, ks, v, kw = _ab_inputs(333, 1000, D, pv_dtype, causal, seed=D + 3)
     for qq, ss in ((q, None), (q8, qs)):
         outs = [prefill_int8(qq, ss, k8, ks, v, **kw, _tuning={"bias_in_acc": on}) for on in (False, True)]
         assert torch.isfinite(outs[0][0]).all()
@@ -359,14 +367,8 @@ def test_causal_grid_groups_give_identical_outputs(monkeypatch, D, pv_dtype):
     """Causal: every grouping of the (sequence, head) units (``lpt_group``: 1 = head by head, 2, all 8) gives the
     same outputs, bit for bit; dense (GQA, ragged tiles) and varlen (tiles past a sequence's end)."""
     import qattn.interface.prefill as pf
-    from qattn.quant.v_fp8 import quantize_v_fp8
 
-    q, k, v = _inputs(2, 700, 900, 4, 2, D, torch.bfloat16, outliers="heavy", seed=D + 11)
-    q8, qs, k8, ks, _ = _quantize(q, k, "per_warp")
-    kw = dict(causal=True, return_lse=True, pv_dtype=pv_dtype)
-    if pv_dtype == "fp8":
-        v, vs = quantize_v_fp8(v)
-        kw.update(v_scale=vs, out_dtype=torch.bfloat16)
+    q, q8, qs, k8, ks, v, kw = _ab_inputs(700, 900, D, pv_dtype, True, seed=D + 11)
     outs = []
     for g in (1, 2, 8):
         monkeypatch.setattr(pf, "_lpt_group", lambda *a, g=g: g)
