@@ -126,9 +126,14 @@ def test_chunk_reduce_compiles(head_dim, op):
 
 
 def test_compiles_for_sm100():
+    from qattn.cute_kernels import compile_utils
+    from qattn.cute_kernels.sm90.qk_int8_quant import CLUSTER_SIZE, QKInt8Quant, quant_placeholder_args
+
     _common(_quant_ptx(128, 16, arch="sm_100a")[1], "sm_100a")
     _common(_quant_ptx(128, 128, True, True, arch="sm_100a")[1], "sm_100a")
     _common(_kmean_ptx(128, arch="sm_100a")[1], "sm_100a")
+    one_launch = QKInt8Quant(128, 128, True, True, False, None, CLUSTER_SIZE, 2)  # the launcher picks it on SM100 too
+    _common(compile_utils.compile_for_arch(one_launch, *quant_placeholder_args(), arch="sm_100a")[1], "sm_100a")
     from qattn.cute_kernels.compile_utils import compile_for_arch
     from qattn.cute_kernels.sm90.chunk_reduce import ChunkReduce, chunk_reduce_placeholder_args
 
