@@ -131,8 +131,9 @@ def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subt
 def k_cluster_plan(head_dim: int, block_k: int, num_groups: int) -> tuple[int, int] | None:
     """``(cluster, groups_per_cta)`` of the one-launch K quantization (a cluster of CTAs holds all rows of one
     (sequence, head) in registers and adds up the mean itself: one launch, K read once), or None for the mean
-    kernel + quantize kernel path: ``groups_per_cta`` is the smallest power of two that covers ``num_groups``,
-    at most ``CLUSTER_MAX_GROUPS_PER_CTA`` (so up to 2048 keys with 128-key groups).
+    kernel + quantize kernel path: ``groups_per_cta`` is the smallest power of two that covers ``num_groups``
+    (of the longest sequence, varlen), at most ``CLUSTER_MAX_GROUPS_PER_CTA`` (so up to 2048 keys with 128-key
+    groups).
 
     H100, B2 H16, one launch vs two (GPU time, CUDA graph; ``flash_attn_func`` eager end to end): D128 S1K 15.1
     -> 11.8 us (143 -> 116 us), S2K 18.3 -> 19.8 (166 -> 156), D64 S2K 11.0 -> 11.0 (141 -> 111); with 4 groups
@@ -243,12 +244,12 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
             k_range = None
             num_chunks = 1
             plan = None
-            if smooth_k and not balance and not varlen:  # short enough for one launch that reads K once?
+            if smooth_k and not balance:  # (the longest) sequence short enough for one launch that reads K once?
                 plan = k_cluster_plan(D, block_k, k_scale.shape[2])
             if plan is not None:
-                kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, True, False, None, *plan)
-                kquant(addr(k), addr(k_int8), addr(k_scale), 0, addr(k_mean), 0, 0, 0, 0, batch, seqlen_k, Hkv,
-                       k_scale.shape[2], 1, Hq // Hkv, *strides(k), stream)
+                kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, True, varlen, None, *plan)
+                kquant(addr(k), addr(k_int8), addr(k_scale), 0, addr(k_mean), addr(cu_k), 0, 0, 0, batch, seqlen_k,
+                       Hkv, k_scale.shape[2], 1, Hq // Hkv, *strides(k), stream)
             elif smooth_k or balance:
                 stats = ("sum_range" if smooth_k else "range") if balance else "sum"
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen, stats)

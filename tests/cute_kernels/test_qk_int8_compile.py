@@ -159,8 +159,9 @@ def test_config_errors_and_keys():
     assert len(keys) == 32
 
 
-@pytest.mark.parametrize("head_dim,gpc,in_bf16", [(128, 2, True), (64, 1, False), (256, 2, True)])
-def test_one_launch_k_quantization_compiles(head_dim, gpc, in_bf16):
+@pytest.mark.parametrize("head_dim,gpc,in_bf16,varlen", [(128, 2, True, False), (64, 1, False, False),
+                                                         (256, 2, True, False), (128, 2, True, True)])
+def test_one_launch_k_quantization_compiles(head_dim, gpc, in_bf16, varlen):
     """Cluster mode (``qattn.quant.launch.k_cluster_plan``): the fp64 K sums cross the cluster through distributed
     shared memory (mapa + ld.shared::cluster, one per CTA of the cluster), two cluster barriers (arrive + wait),
     no spills; the keys of the two paths differ. Configs outside the mode are refused."""
@@ -168,15 +169,15 @@ def test_one_launch_k_quantization_compiles(head_dim, gpc, in_bf16):
     from qattn.cute_kernels.compile_utils import ptx_count
     from qattn.cute_kernels.sm90.qk_int8_quant import CLUSTER_SIZE, QKInt8Quant, quant_placeholder_args
 
-    cfg = QKInt8Quant(head_dim, 128, in_bf16, True, False, None, CLUSTER_SIZE, gpc)
+    cfg = QKInt8Quant(head_dim, 128, in_bf16, True, varlen, None, CLUSTER_SIZE, gpc)
     _, ptx = compile_utils.compile_for_arch(cfg, *quant_placeholder_args(), arch="sm_90a")
     _common(ptx)
     assert ptx_count(ptx, r"mapa\.shared::cluster") == CLUSTER_SIZE
     assert ptx_count(ptx, r"ld\.shared::cluster\.f64") == CLUSTER_SIZE
     assert ptx_count(ptx, r"barrier\.cluster\.arrive") == 2 and ptx_count(ptx, r"barrier\.cluster\.wait") == 2
-    assert cfg.key != QKInt8Quant(head_dim, 128, in_bf16, True).key
+    assert cfg.key != QKInt8Quant(head_dim, 128, in_bf16, True, varlen).key
     for bad in (dict(cluster=3, groups_per_cta=1), dict(cluster=8, groups_per_cta=None),
-                dict(cluster=8, groups_per_cta=1024 // head_dim), dict(cluster=8, groups_per_cta=1, varlen=True),
+                dict(cluster=8, groups_per_cta=1024 // head_dim), dict(cluster=8, groups_per_cta=1, balance="k"),
                 dict(cluster=8, groups_per_cta=1, subtract_mean=False), dict(groups_per_cta=2)):
         kw = dict(dict(head_dim=head_dim, group_rows=128, subtract_mean=True), **bad)
         with pytest.raises(ValueError, match="cluster|groups_per_cta"):
@@ -190,8 +191,9 @@ def test_registered_variants():
     assert len(variants.enumerate_variants("chunk_reduce", "sm_90a", head_dims=[64, 128, 96])) == 4
     vq = variants.enumerate_variants("qk_int8_quant", "sm_90a", head_dims=[128])
     vk = variants.enumerate_variants("qk_int8_kmean", "sm_90a", head_dims=[128, 96])
-    assert len(vq) == 12 + 4 and len(vk) == 4  # + one-launch K quantization: 1 or 2 groups per CTA, bf16 / fp16
-    assert len({v.key for v in vq + vk}) == 20
+    # + one-launch K quantization: 1 or 2 groups per CTA, bf16 / fp16, dense / varlen
+    assert len(vq) == 12 + 8 and len(vk) == 4
+    assert len({v.key for v in vq + vk}) == 24
     assert all(v.key[:2] == (v.kind, "sm_90a") for v in vq + vk)
 
 

@@ -228,6 +228,23 @@ def test_one_launch_k_quantization_equals_the_two_kernel_path(monkeypatch, b, sk
     _assert_bits_equal(one[1], ref[3], "k_scale")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_one_launch_k_quantization_varlen(monkeypatch, dtype):
+    """The one-launch K quantization of packed sequences (the longest <= 2048 keys; an empty one, a 1-key one)
+    equals the two-kernel path bit for bit: bytes, padded scales, means."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [700, 1, 2048, 0, 1300]
+    k = _rand((1, sum(lens), 2, 128), dtype, gen, outliers=True, bias=20.0)[0]
+    cu = _cu(lens)
+    assert launch.k_cluster_plan(128, 128, 16) is not None
+    one = launch.quantize_k_int8_varlen(k, cu, max(lens))
+    monkeypatch.setattr(launch, "k_cluster_plan", lambda *a: None)
+    two = launch.quantize_k_int8_varlen(k, cu, max(lens))
+    for x, y, name in zip(one, two, ("k_int8", "k_scale", "k_mean")):
+        assert torch.equal(x.view(torch.int8) if x.dtype == torch.int8 else x.view(torch.int32),
+                           y.view(torch.int8) if y.dtype == torch.int8 else y.view(torch.int32)), name
+
+
 def test_zero_tiny_and_constant_groups():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 96, 2, 128, generator=gen)

@@ -10,7 +10,7 @@ passes one total per column, added up by :mod:`chunk_reduce`; several partial su
 order; one RN fp64 division by the length, one RN conversion to fp32), writes it out, and quantizes
 ``x - mean`` (one RN fp32 subtraction).
 
-One launch for short K (``cluster``, ``groups_per_cta``; dense K with smoothing, no balance, at most
+One launch for short K (``cluster``, ``groups_per_cta``; K with smoothing, no balance, at most
 ``CLUSTER_MAX_GROUPS_PER_CTA`` groups per CTA, ``qattn.quant.launch.k_cluster_plan``): the ``cluster`` CTAs of
 one cluster hold all rows of one (sequence, head) in registers; each adds up its rows in fp64 (exact, like
 :mod:`qk_int8_kmean`), and after a cluster barrier every CTA adds the CTAs' sums in rank order through
@@ -201,13 +201,13 @@ class QKInt8Quant:
         self.in_bf16 = bool(in_bf16)
         self.subtract_mean = bool(subtract_mean)
         self.varlen = bool(varlen)
-        # cluster (K smoothing, dense, no balance): the ``cluster`` CTAs of one (sequence, head) hold all its rows
+        # cluster (K smoothing, no balance): the ``cluster`` CTAs of one (sequence, head) hold all its rows
         # and add up the K mean themselves (through distributed shared memory), so K is read once, in one launch
         self.cluster = cluster
         if cluster:
-            if cluster not in (2, 4, 8) or not subtract_mean or varlen or balance is not None:
-                raise ValueError("cluster: 2, 4 or 8 CTAs, for the dense K quantization with mean subtraction "
-                                 f"and no balance, got cluster={cluster}")
+            if cluster not in (2, 4, 8) or not subtract_mean or balance is not None:
+                raise ValueError("cluster: 2, 4 or 8 CTAs, for the K quantization with mean subtraction and no "
+                                 f"balance, got cluster={cluster}")
             if not groups_per_cta or groups_per_cta * group_rows * head_dim > CLUSTER_TILE_VALUES:
                 raise ValueError(f"groups_per_cta: a cluster CTA holds at most {CLUSTER_TILE_VALUES} values, "
                                  f"got {groups_per_cta} groups of {group_rows} rows x {head_dim}")
@@ -529,11 +529,13 @@ def _quant_variants(arch: str, head_dims=None, balance_qk: bool = False, **_):
                         label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows{rows}{' mean' if mean else ''}"
                                  f"{' varlen' if varlen else ''}{' balance ' + bal if bal else ''}")
                         out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
-            # the one-launch K quantization of short sequences (qattn.quant.launch.cluster_groups_per_cta)
+            # the one-launch K quantization of short sequences (qattn.quant.launch.k_cluster_plan)
             gpc = 1
             while gpc <= CLUSTER_MAX_GROUPS_PER_CTA and gpc * 128 * d <= CLUSTER_TILE_VALUES:
-                cfg = QKInt8Quant(d, 128, in_bf16, True, False, None, CLUSTER_SIZE, gpc)
-                label = f"{'bf16' if in_bf16 else 'fp16'} D{d} rows128 mean cluster{CLUSTER_SIZE}x{gpc}"
-                out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
+                for varlen in (False, True):
+                    cfg = QKInt8Quant(d, 128, in_bf16, True, varlen, None, CLUSTER_SIZE, gpc)
+                    label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows128 mean{' varlen' if varlen else ''} "
+                             f"cluster{CLUSTER_SIZE}x{gpc}")
+                    out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
                 gpc *= 2
     return out
