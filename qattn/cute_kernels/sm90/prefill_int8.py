@@ -235,7 +235,8 @@ class QKInt8PrefillSm90:
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
-        sequences whose row ranges each CTA reads from the cu_seqlens arrays.
+        sequences whose row ranges each CTA reads from the cu_seqlens arrays. ``lpt_group`` (causal only): the
+        (sequence, head) units per longest-first group, a divisor of their number (``prefill_config.lpt_group``).
 
         ``pv_dtype="fp8"``: ``v_addr`` is the V prepass's V^T, E4M3 (batch, num_kv_heads, head_dim,
         num_k_blocks * tile_n), and ``v_scale_addr`` its fp32 per-channel scales (batch, num_kv_heads, head_dim);
@@ -323,11 +324,12 @@ class QKInt8PrefillSm90:
             launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group)
         else:
             launcher = self.kernel(*args, qk_balance_addr, lpt_group)
-        # causal, lpt_group > 1: (unit in group, tile, group), see ``_causal_position``
-        grouped = lpt_group > 1
-        grid = (Int32(cutlass.select_(grouped, lpt_group, num_m_blocks)),
-                Int32(cutlass.select_(grouped, num_m_blocks, num_heads)),
-                Int32(cutlass.select_(grouped, num_heads * num_seqs // lpt_group, num_seqs)))
+        grid = (num_m_blocks, num_heads, num_seqs)
+        if cutlass.const_expr(cfg.causal):  # lpt_group > 1: (unit in group, tile, group), see ``_causal_position``
+            grouped = lpt_group > 1
+            grid = (Int32(cutlass.select_(grouped, lpt_group, num_m_blocks)),
+                    Int32(cutlass.select_(grouped, num_m_blocks, num_heads)),
+                    Int32(cutlass.select_(grouped, num_heads * num_seqs // lpt_group, num_seqs)))
         launcher.launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                         min_blocks_per_mp=1)
 
