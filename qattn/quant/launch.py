@@ -14,6 +14,10 @@ Launches (all on torch's current stream, no host synchronisation, so CUDA-graph 
    it finishes the mean, writes ``k_mean`` and quantizes ``k - mean``; second read of K).
 3. The same kernel on Q (groups of ``warp_q`` or ``block_q`` rows; one read of Q).
 
+With ``smooth_k`` and without balancing, K of at most 2048 keys per sequence (128-key groups,
+:func:`k_cluster_plan`) takes one launch instead of 1 and 2: ``QKInt8Quant`` in cluster form, 8 CTAs per (sequence,
+head) holding its rows in registers and adding the mean up through distributed shared memory (one read of K).
+
 With ``balance_qk`` (channel balancing, :mod:`qattn.quant.qk_int8`): launch 1 also takes the column max / min of
 K (``stats="sum_range"``, or ``"range"`` without smoothing; their totals by a second ChunkReduce), a
 ``KMeanPartial(stats="absmax")`` launch + ChunkReduce take the column amax of Q (one more read of Q), launch 2
