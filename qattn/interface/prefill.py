@@ -130,9 +130,7 @@ def _check_qkv_16bit(q, k, v) -> None:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-@functools.lru_cache(maxsize=4096)
-def _lpt_group(cfg: PrefillConfig, num_units: int, q_per_kv: int, keys_per_unit: int) -> int:
-    return lpt_group(cfg, num_units, q_per_kv, keys_per_unit) if cfg.causal else 1
+_lpt_group = functools.lru_cache(maxsize=4096)(lpt_group)  # per argument tuple: no Python work per call
 
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,

@@ -247,14 +247,10 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
             partial = None
             k_range = None
             num_chunks = 1
-            plan = None
-            if smooth_k and not balance:  # (the longest) sequence short enough for one launch that reads K once?
+            plan = None  # (cluster, groups per CTA): K short enough for one launch that reads it once
+            if smooth_k and not balance:
                 plan = k_cluster_plan(D, block_k, k_scale.shape[2])
-            if plan is not None:
-                kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, True, varlen, None, *plan)
-                kquant(addr(k), addr(k_int8), addr(k_scale), 0, addr(k_mean), addr(cu_k), 0, 0, 0, batch, seqlen_k,
-                       Hkv, k_scale.shape[2], 1, Hq // Hkv, *strides(k), stream)
-            elif smooth_k or balance:
+            if plan is None and (smooth_k or balance):
                 stats = ("sum_range" if smooth_k else "range") if balance else "sum"
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen, stats)
                 nc, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
@@ -270,12 +266,11 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     num_chunks = nc
                 if balance:
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
-            if plan is None:
-                kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
-                                       "k" if balance else None)
-                kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
-                       addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks, Hq // Hkv,
-                       *strides(k), stream)
+            kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
+                                   "k" if balance else None, *(plan or ()))
+            kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
+                   addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks, Hq // Hkv,
+                   *strides(k), stream)
         if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
             qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
                                    "q" if qk_balance is not None else None)

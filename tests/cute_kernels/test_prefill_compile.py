@@ -248,4 +248,6 @@ def test_causal_grid_groups():
     assert lpt_group(causal, 5, 1, 1) == 5
     assert lpt_group(causal, 11, 1, 100) == 1 and lpt_group(causal, 22, 1, 100) == 2
     assert 32 * 4096 * 128 * 3 <= LPT_GROUP_KV_BYTES < 32 * 8192 * 128 * 3
+    full = PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
+    assert lpt_group(full, 32, 1, 1024) == 1  # non-causal: equal work per CTA
     assert lpt_group(causal, 8 * 65535, 64, 1) == 8 and lpt_group(causal, 8 * 65536, 64, 1) == 1  # grid z <= 65535

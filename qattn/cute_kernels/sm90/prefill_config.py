@@ -58,13 +58,15 @@ def lpt_group(cfg: "PrefillConfig", num_units: int, q_per_kv: int, keys_per_unit
     longest first, groups one after the other (``QKInt8PrefillSm90._causal_position``): the largest divisor of
     ``num_units`` up to ``LPT_GROUP_UNITS`` while the K and V of all units (``keys_per_unit`` keys each;
     ``q_per_kv`` q heads share a kv head) fit in ``LPT_GROUP_KV_BYTES``, else 1 (head by head, longest first). A
-    runtime choice: it only shapes the grid.
+    runtime choice: it only shapes the grid. 1 for non-causal grids (equal work per CTA).
 
     H100, kernel only, CUDA graph, B2 H16 (32 units), groups of 8 vs head by head: D128 S2K (K + V 24 MiB) 0.900x
     the time, S4K (48 MiB) 0.947x, D64 S2K 0.846x, S4K 0.884x, S8K (48 MiB) 0.928 / 0.911x, FP8 P x V D128 S8K
     (64 MiB) 0.961 / 0.980x (one group of 32: 0.935, 0.993, 0.868, 0.892, 0.919, 0.994x). Larger K + V: D128 S8K
     (96 MiB) groups of 4 / 8 / 16 1.053 / 1.038 / 1.084x, S16K 1.004 / 1.022 / 1.039x, D64 S16K 0.970 / 0.984 /
     1.003x, so head by head there."""
+    if not cfg.causal:  # equal work per CTA: nothing to order
+        return 1
     k_bytes = 1 if cfg.qk_dtype == "int8" else 2
     unit_bytes = keys_per_unit * cfg.head_dim * (k_bytes + (1 if cfg.pv_dtype == "fp8" else 2)) / q_per_kv
     if num_units * unit_bytes > LPT_GROUP_KV_BYTES:

@@ -465,16 +465,16 @@ class QKInt8Quant:
                 cute.make_tensor(_gptr(Float32, mean_addr, 4), cute.make_layout(D))[tidx] = mean
         cute.arch.cluster_arrive()
 
-    def _widen(self, word) -> tuple:
-        """The two 16-bit values packed in ``word`` as fp32 (exact)."""
-        return bf16x2_to_f32x2(word) if self.in_bf16 else fp4.f16x2_to_f32x2(word)
-
     def _values(self, rX: cute.Tensor, rMean: cute.Tensor, rLam: cute.Tensor, p: int) -> list:
         """The 8 fp32 values of pass ``p`` (exact widening; minus the mean with one RN subtraction; times the
         balance factor, exact). Plain Python, unrolled while the kernel is traced."""
         vals = []
         for w in range(4):
-            lo, hi = self._widen(rX[w, p])
+            word = rX[w, p]
+            if self.in_bf16:
+                lo, hi = bf16x2_to_f32x2(word)
+            else:
+                lo, hi = fp4.f16x2_to_f32x2(word)
             if self.subtract_mean:
                 lo = sub_rn(lo, rMean[2 * w])
                 hi = sub_rn(hi, rMean[2 * w + 1])
