@@ -59,28 +59,48 @@ def test_config_rejects_unsupported(kw, err):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dim_64_takes_three_mma_warpgroups(causal):
-    """head_dim 64, per_warp q scales (16-bit or FP8 P.V): 192-row tiles, three MMA warpgroups of 160 registers
-    after the producer's setmaxnreg.dec; per_block (128-row q scales) and D128 keep two of 240."""
-    for pv in ("bf16", "fp8"):
-        three = PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv)
-        assert (three.tile_m, three.mma_warpgroups) == (192, 3)
-        ptx = _compile(three)
+def test_three_mma_warpgroups_where_they_pay(causal):
+    """per_warp q scales: 192-row tiles, three MMA warpgroups of 160 registers after the producer's
+    setmaxnreg.dec, at head_dim 64 (with the intra-warpgroup overlap) and at head_dim 128 with FP8 P.V or
+    non-causal (serial loop: the overlap's registers do not fit); per_block (128-row q scales) and causal D128
+    with 16-bit P.V keep two of 240."""
+    def cfg(D, pv="bf16", gran="per_warp", **kw):
+        return PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity=gran, pv_dtype=pv, **kw)
+
+    three = [(cfg(64), True), (cfg(64, "fp8"), True), (cfg(128, "fp8"), False)] + ([] if causal else [(cfg(128), False)])
+    for c, overlap in three:
+        assert (c.tile_m, c.mma_warpgroups, c.intra_wg_overlap) == (192, 3, overlap)
+        ptx = _compile(c)
         assert ptx_has(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160")
         assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "local arrays"
-    three = PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp")
-    for two in (PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block"),
-                PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp"),
-                PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype="fp8")):
-        assert two.tile_m == 128 and two.mma_warpgroups == 2
-    assert ptx_has(_compile(PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block")),
-                   r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240")
+    two = [cfg(64, gran="per_block"), cfg(128, gran="per_block"), cfg(128, "fp8", "per_block")]
+    two += [cfg(128)] if causal else []
+    for c in two:
+        assert (c.tile_m, c.mma_warpgroups, c.intra_wg_overlap) == (128, 2, True)
+    assert ptx_has(_compile(cfg(64, gran="per_block")), r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240")
     with pytest.raises(ValueError, match="per_warp"):
-        PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_block", tile_m=192)
+        cfg(64, gran="per_block", tile_m=192)
     with pytest.raises(ValueError, match="tile_m"):
-        PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp", tile_m=256)
-    assert three.key != PrefillConfig(head_dim=64, v_dtype="bf16", causal=causal, granularity="per_warp",
-                                      tile_m=128).key
+        cfg(64, tile_m=256)
+    with pytest.raises(ValueError, match="intra_wg_overlap"):  # 64 + 32 + 64 registers of S, P, O: no fit
+        cfg(128, tile_m=192, intra_wg_overlap=True)
+    assert cfg(64).key != cfg(64, tile_m=128).key
+    assert cfg(128, tile_m=192, intra_wg_overlap=False).key != cfg(128, tile_m=128, intra_wg_overlap=False).key
+    assert cfg(128, tile_m=128).key != cfg(128, tile_m=128, intra_wg_overlap=False).key
+
+
+def test_serial_loop_keeps_the_mma_order():
+    """intra_wg_overlap=False: per tile, one turn issues P V(n-1), waits for all of it (wait_group 0, never 1)
+    and refills the score registers before QK^T(n); the same wgmmas as the overlapped loop."""
+    base = dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", quantize_q=True)
+    serial = _compile(PrefillConfig(**base, tile_m=192, intra_wg_overlap=False))
+    overlap = _compile(PrefillConfig(**base, tile_m=128))
+    for mma in ("wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8",
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"):
+        assert ptx_count(serial, mma) == ptx_count(overlap, mma)
+    assert ptx_has(overlap, r"wgmma\.wait_group\.sync\.aligned\s+1;")
+    assert not ptx_has(serial, r"wgmma\.wait_group\.sync\.aligned\s+1;")
+    assert ptx_count(serial, "ld.volatile.shared.v4.b32") == 2 * 16  # before the first tile and in the loop
 
 
 # ---- Q quantized inside the kernel (quantize_q, flash_attn_func's per_warp path) -------------------------------
@@ -212,13 +232,14 @@ def test_early_kv_wait_tests_barriers_without_blocking(D, pv):
 def test_bias_in_acc_replaces_the_per_score_add(D, pv, causal, on):
     """By default the score registers are set to the bias bits before QK^T accumulates onto them: no integer add
     per score is left (64 per tile with ``bias_in_acc=False``: first tile and loop), and the fills are 16-byte
-    shared loads (16 per fill: before the first tile, after it, in the loop)."""
+    shared loads (16 per fill: before the first tile, after it (not in the serial loop), in the loop)."""
     cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv,
                         bias_in_acc=on)
     assert cfg.bias_in_acc == (on is None)
     ptx = _compile(cfg)
     assert ptx_count(ptx, r"add\.s32\s+%r\d+, %r\d+, 1262485504;") == (0 if cfg.bias_in_acc else 2 * 64)
-    assert ptx_count(ptx, "ld.volatile.shared.v4.b32") == (3 * 16 if cfg.bias_in_acc else 0)
+    fills = 3 if cfg.intra_wg_overlap else 2  # (the serial loop fills once P V(n-1) is done, not after tile 0)
+    assert ptx_count(ptx, "ld.volatile.shared.v4.b32") == (fills * 16 if cfg.bias_in_acc else 0)
     assert ptx_has(ptx, "1262485504")  # 0x4B400000
     assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
     flipped = PrefillConfig(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp", pv_dtype=pv,

@@ -342,6 +342,32 @@ def test_bias_in_acc_gives_identical_outputs(D, pv_dtype, causal):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("D,pv_dtype,causal", [(128, "bf16", False), (128, "bf16", True), (128, "fp8", False),
+                                                (128, "fp8", True), (64, "bf16", True)])
+def test_serial_loop_gives_identical_outputs(D, pv_dtype, causal):
+    """The serial loop (``intra_wg_overlap=False``: P V(n-1) finished before QK^T(n) is issued) with 192-row tiles
+    (three MMA warpgroups, the default at head_dim 128 non-causal or with FP8 P x V) and with 128 == FA3's
+    overlapped loop with 128 rows (192 at D64), bit for bit: ragged lengths, GQA, in-kernel Q quantization and
+    the prepass's int8 Q; varlen with 16-bit P x V (tiles past a sequence's end)."""
+    from qattn.interface.prefill import prefill_int8, prefill_int8_varlen
+
+    tunings = [{"tile_m": 128 if D == 128 else 192, "intra_wg_overlap": True},
+               {"tile_m": 192, "intra_wg_overlap": False}, {"tile_m": 128, "intra_wg_overlap": False}]
+    q, q8, qs, k8, ks, v, kw = _ab_inputs(333, 1000, D, pv_dtype, causal, seed=D + 5)
+    for qq, ss in ((q, None), (q8, qs)):
+        outs = [prefill_int8(qq, ss, k8, ks, v, **kw, _tuning=t) for t in tunings]
+        assert torch.isfinite(outs[0][0]).all()
+        for o in outs[1:]:
+            assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
+    if pv_dtype == "bf16":
+        lens_q, lens_k = [1, 300, 700], [900, 5, 700]
+        seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D + 6)
+        outs = [prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                    return_lse=True, _tuning=t) for t in tunings]
+        for o in outs[1:]:
+            assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
+
+
 @pytest.mark.parametrize("sk", [100, 1000, 1100])  # 1, 8 and 9 key tiles
 def test_bias_in_acc_identical_at_head_dim_128_dense_and_varlen(sk):
     """The score bias in the accumulator (refilled by shared loads, ``PrefillConfig.bias_in_acc``) == the integer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LPT_GROUP_KV_BYTES",
-           "LPT_GROUP_UNITS", "default_early_kv_wait", "lpt_group"]
+           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -25,18 +25,34 @@ _GRANULARITIES = ("per_warp", "per_block")
 _PV_DTYPES = ("bf16", "fp8")
 
 
-def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16") -> int:
-    """Query rows per CTA. head_dim 64 with per_warp q scales: 192 (three MMA warpgroups: the softmax of a 64-row
-    tile outlasts the other warpgroup's MMAs at D64, so a third one keeps the tensor cores fed). H100, B2 H16,
-    kernel only, CUDA graph, outputs bit-identical, 16-bit P x V: S8K 1272.3 -> 1085.6 us, causal 723.6 -> 608.8,
-    S16K 4828.1 -> 4082.7, causal 2517.6 -> 2157.3, S2K 100.0 -> 94.5; short grids lose a little (B3 S1000 causal
-    40.3 -> 43.8). FP8 P x V (which fits the 160 registers since the score bias lives in the accumulator,
-    ``bias_in_acc``; ptxas keeps one register in local memory outside the loop): S8K 0.897x the time, causal
-    0.945x, S16K 0.861x, causal 0.932x, S2K 0.966x. Everything else: 128 (at D128 the MMAs dominate and 3 x 64
-    rows do not fit the registers)."""
-    if head_dim == 64 and granularity == "per_warp":
+def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16", causal: bool = False,
+                   qk_dtype: str = "int8") -> int:
+    """Query rows per CTA: 192 (three MMA warpgroups) or 128 (two). H100, B2 H16, kernel only, CUDA graph,
+    outputs bit-identical.
+
+    head_dim 64 with per_warp q scales: 192 (the softmax of a 64-row tile outlasts the other warpgroup's MMAs at
+    D64, so a third one keeps the tensor cores fed). 16-bit P x V: S8K 1272.3 -> 1085.6 us, causal 723.6 ->
+    608.8, S16K 4828.1 -> 4082.7, causal 2517.6 -> 2157.3, S2K 100.0 -> 94.5; short grids lose a little (B3
+    S1000 causal 40.3 -> 43.8). FP8 P x V (which fits the 160 registers since the score bias lives in the
+    accumulator, ``bias_in_acc``; ptxas keeps one register in local memory outside the loop): S8K 0.897x the
+    time, causal 0.945x, S16K 0.861x, causal 0.932x, S2K 0.966x.
+
+    head_dim 128 with per_warp q scales (int8 QK), FP8 P x V or non-causal: 192 with the serial loop
+    (``intra_wg_overlap=False``; 3 x 64 rows with the overlap do not fit the registers). Time vs 128 rows with
+    the overlap, interleaved A/B, three runs: 16-bit P x V S8K 0.981 / 0.981 / 0.961, S16K 0.926 / 0.928 / 0.921,
+    S4K 1.004, S2K 1.003; FP8 P x V S8K 0.936, causal 0.903, S16K causal 0.939. Causal 16-bit P x V stays at
+    128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025). Everything else: 128."""
+    if granularity != "per_warp":
+        return BLOCK_Q
+    if head_dim == 64 or (qk_dtype == "int8" and (pv_dtype == "fp8" or not causal)):
         return 3 * 64
     return BLOCK_Q
+
+
+def default_intra_wg_overlap(head_dim: int, tile_m: int) -> bool:
+    """FA3's intra-warpgroup overlap, except with three MMA warpgroups at head_dim 128, where the scores, P and O
+    of a 64-row tile (64 + 32 + 64 registers per thread) do not fit the 160 registers three warpgroups get."""
+    return not (head_dim == 128 and tile_m == 3 * 64)
 
 
 def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
@@ -109,6 +125,10 @@ class PrefillConfig:
     # left them and QK^T accumulates onto them, so the scores come out of the wgmma as biased floats (no integer
     # add per score after the wait). None: on with int8 QK (False: the add, for A/B), off with bf16 QK.
     bias_in_acc: Optional[bool] = None
+    # FA3's intra-warpgroup overlap: QK^T(n) issued with P V(n-1) and the softmax of tile n run while P V(n-1)
+    # executes (P and the scores live at once). False: one turn issues P V(n-1), waits for it and issues QK^T(n)
+    # (64 registers fewer per thread)
+    intra_wg_overlap: Optional[bool] = None  # None: ``default_intra_wg_overlap``
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -122,12 +142,18 @@ class PrefillConfig:
         if self.early_kv_wait is None:
             object.__setattr__(self, "early_kv_wait", default_early_kv_wait(self.head_dim, self.pv_dtype))
         if self.tile_m is None:
-            object.__setattr__(self, "tile_m", default_tile_m(self.head_dim, self.granularity, self.pv_dtype))
+            object.__setattr__(self, "tile_m", default_tile_m(self.head_dim, self.granularity, self.pv_dtype,
+                                                              self.causal, self.qk_dtype))
+        if self.intra_wg_overlap is None:
+            object.__setattr__(self, "intra_wg_overlap", default_intra_wg_overlap(self.head_dim, self.tile_m))
         if self.tile_n != BLOCK_K or self.tile_m not in (BLOCK_Q, 3 * 64):
             raise ValueError("tile_m / tile_n: the prepass block sizes fix them to 128 x 128 (tile_m 192 with "
                              f"per_warp q scales), got {self.tile_m} x {self.tile_n}")
         if self.tile_m != BLOCK_Q and self.granularity != "per_warp":
             raise ValueError(f"tile_m: {self.tile_m} rows need per_warp q scales (a per_block scale covers 128 rows)")
+        if self.intra_wg_overlap and not default_intra_wg_overlap(self.head_dim, self.tile_m):
+            raise ValueError(f"intra_wg_overlap: {self.tile_m} rows at head_dim {self.head_dim} do not fit the "
+                             "registers with the overlap; use intra_wg_overlap=False")
         if self.pv_dtype not in _PV_DTYPES:
             raise ValueError(f"pv_dtype: expected one of {_PV_DTYPES}, got {self.pv_dtype!r}")
         if self.pv_dtype == "fp8" and self.varlen:
@@ -158,7 +184,8 @@ class PrefillConfig:
         if self.quantize_q:  # Q arrives in V's dtype
             qk = (self.v_dtype, "int8")
         flags = tuple(name for name, on in (("balance_qk", self.balance_qk), ("early_kv_wait", self.early_kv_wait),
-                                            ("bias_in_acc", self.bias_in_acc))
+                                            ("bias_in_acc", self.bias_in_acc),
+                                            ("serial_wg", not self.intra_wg_overlap))
                       if on)
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,

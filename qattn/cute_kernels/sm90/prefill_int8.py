@@ -1,8 +1,9 @@
 """SM90 prefill attention with INT8 Q/K (SageAttention style): wgmma s8 x s8 -> s32 for Q K^T, fp32 online
 softmax, bf16/fp16 P x V on wgmma with P straight from registers (issue 5, v0).
 
-One CTA = one query tile of one (batch, head), 64 rows per MMA warpgroup: 128 rows and 3 warpgroups, or (head_dim
-64, per_warp q scales, 16-bit P x V; ``prefill_config.default_tile_m``) 192 rows and 4:
+One CTA = one query tile of one (batch, head), 64 rows per MMA warpgroup: 128 rows and 3 warpgroups, or (per_warp
+q scales at head_dim 64, and at head_dim 128 non-causal or with FP8 P x V; ``prefill_config.default_tile_m``) 192
+rows and 4:
 
 * warpgroup 0, warp 0 is the producer: TMA loads of the Q tile (once; int8, or 16-bit with ``quantize_q``),
   then K and V tiles of 128 keys into ``kv_stages``-deep smem rings (two ``PipelineTmaAsync`` pipelines, one
@@ -55,6 +56,13 @@ the time, except D128 S16K (1.00x).
 the softmax of tile n runs, mbarrier.test_wait (non-blocking) checks whether K(n+1) and V(n) have landed; the
 answers let the next turn skip its blocking waits (a ready-barrier wait cost ~80-100 cycles per tile each in
 %clock traces of the loop): 0.97-0.99x the time.
+
+``intra_wg_overlap`` (FA3's overlap: QK^T(n) issued together with P V(n-1), whose P registers stay live through the
+softmax of tile n) is off with three MMA warpgroups at head_dim 128, whose 160 registers cannot hold the scores, P
+and O together: there one turn issues P V(n-1), waits for it, refills the score registers and issues QK^T(n)
+(``_tile_serial``), and the other two warpgroups' turns keep the tensor cores busy during the softmax. H100,
+interleaved A/B vs 128 rows with the overlap, outputs bit-identical: D128 S8K 0.96-0.98x the time, S16K
+0.92-0.93x, FP8 P x V 0.90-0.94x; causal 16-bit P x V mixed (0.97-1.04x), so it keeps 128 rows.
 
 ``bias_in_acc`` (default with int8 Q K): the score registers are set to the bias bits (16 shared loads) once P has
 left them and Q K^T accumulates onto them, so no integer add per score converts the int32 scores
@@ -602,12 +610,16 @@ class QKInt8PrefillSm90:
                 v_tok = _landed(v_pipe, st)
             self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base), row_max, row_sum, corr)
             self._store_p(s, acc_s.layout, p_lo, tOrP)
-            self._bias_scores(acc_s, bias_addr)
+            if cutlass.const_expr(cfg.intra_wg_overlap):  # serial: filled once P V(n-1) is done with P
+                self._bias_scores(acc_s, bias_addr)
         tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe,
                      tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr,
                      wg, bias_addr)
         for n in cutlass.range(1, n_blocks, unroll=1):
-            k_tok, v_tok = self._tile(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
+            if cutlass.const_expr(cfg.intra_wg_overlap):
+                k_tok, v_tok = self._tile(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
+            else:
+                k_tok, v_tok = self._tile_serial(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
         if n_blocks > 0:
             st = _consumer_state(n_blocks - 1, cfg.kv_stages)
             self._my_turn(wg)
@@ -685,26 +697,68 @@ class QKInt8PrefillSm90:
         warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
         v_pipe.consumer_release(st_prev)
         o_mn = cute.make_tensor(acc_o.iterator, o_rc)
-        n_rows = cute.size(s_rc, mode=[0])
-        # most tiles leave every row's max alone (corr exactly 1): skip the O rescale warp by warp
-        stale = corr[0] != Float32(1.0)
-        for i in cutlass.range_constexpr(1, n_rows):
-            stale = stale | (corr[i] != Float32(1.0))
+        stale = self._rows_moved(corr)
         if cutlass.const_expr(self.fp8):  # O = (O + this tile's P V) * corr, in fp32
             t_mn = cute.make_tensor(acc_t.iterator, o_rc)
             if cute.arch.vote_any_sync(stale):
-                for i in cutlass.range_constexpr(n_rows):
+                for i in cutlass.range_constexpr(cute.size(corr)):
                     for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                         o_mn[i, j] = (o_mn[i, j] + t_mn[i, j]) * corr[i]
             else:
                 acc_o.store(acc_o.load() + acc_t.load())
         else:  # lazy rescale (the running max moves only past +2^8): O is rescaled even less often
             if cute.arch.vote_any_sync(stale):
-                for i in cutlass.range_constexpr(n_rows):
-                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        o_mn[i, j] = o_mn[i, j] * corr[i]
+                self._rescale_o(o_mn, corr)
         self._store_p(s, acc_s.layout, p_lo, tOrP)
         self._bias_scores(acc_s, bias_addr)
+        return k_tok, v_tok
+
+    @cute.jit
+    def _rows_moved(self, corr):
+        """Whether any of this thread's rows got a new running max (corr != 1). Most tiles leave every row's max
+        alone (corr exactly 1), so the O rescale is skipped warp by warp (a vote on this)."""
+        stale = corr[0] != Float32(1.0)
+        for i in cutlass.range_constexpr(1, cute.size(corr)):
+            stale = stale | (corr[i] != Float32(1.0))
+        return stale
+
+    @cute.jit
+    def _rescale_o(self, o_mn, corr):
+        for i in cutlass.range_constexpr(cute.size(corr)):
+            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[i, j] = o_mn[i, j] * corr[i]
+
+    @cute.jit
+    def _tile_serial(self, n, p_lo, tOrP, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK,
+                     tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2,
+                     mKS, ks_base, row_max, row_sum, corr, wg, bias_addr):
+        """``intra_wg_overlap=False``: tile n >= 1 without the intra-warpgroup overlap. One turn issues P V(n-1),
+        waits for it, refills the score registers and issues QK^T(n); the softmax of tile n then runs with no
+        MMA of this warpgroup in flight. So P and the scores are never live together (P V(n-1) is done before
+        QK^T(n) writes the score registers): 64 registers fewer than ``_tile``, which lets three MMA warpgroups
+        (192 rows) fit at head_dim 128, and the other two warpgroups' MMAs fill the tensor cores meanwhile."""
+        cfg, TN = self.cfg, self.cfg.tile_n
+        st = _consumer_state(n, cfg.kv_stages)
+        st_prev = _consumer_state(n - 1, cfg.kv_stages)
+        self._my_turn(wg)
+        self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
+        warpgroup.wait_group(0)
+        v_pipe.consumer_release(st_prev)
+        if cutlass.const_expr(self.fp8):  # tile n-1's P V into O before the scores take registers again
+            acc_o.store(acc_o.load() + acc_t.load())
+        self._bias_scores(acc_s, bias_addr)
+        self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
+        self._turn_done(self._next_wg(wg))
+        warpgroup.wait_group(0)
+        k_pipe.consumer_release(st)
+        self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
+        if cutlass.const_expr(cfg.early_kv_wait):
+            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
+            v_tok = _landed(v_pipe, st)
+        self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
+        if cute.arch.vote_any_sync(self._rows_moved(corr)):  # FP8: tile n-1's P V was added above
+            self._rescale_o(cute.make_tensor(acc_o.iterator, o_rc), corr)
+        self._store_p(s, acc_s.layout, p_lo, tOrP)
         return k_tok, v_tok
 
     @cute.jit
