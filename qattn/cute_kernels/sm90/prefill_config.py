@@ -40,7 +40,8 @@ def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16", caus
     head_dim 128 with per_warp q scales (int8 QK), FP8 P x V or non-causal: 192 with the serial loop
     (``intra_wg_overlap=False``; 3 x 64 rows with the overlap do not fit the registers). Time vs 128 rows with
     the overlap, interleaved A/B, three runs: 16-bit P x V S8K 0.981 / 0.981 / 0.961, S16K 0.926 / 0.928 / 0.921,
-    S4K 1.004, S2K 1.003; FP8 P x V S8K 0.936, causal 0.903, S16K causal 0.939. Causal 16-bit P x V stays at
+    S4K 1.004 / 0.999, S2K 1.003 / 1.005; FP8 P x V S8K 0.936 / 0.933, causal 0.903 / 0.889, S16K 0.907, causal
+    0.939, S2K 0.978, causal 0.955. Causal 16-bit P x V stays at
     128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025). Everything else: 128."""
     if granularity != "per_warp":
         return BLOCK_Q
@@ -127,7 +128,7 @@ class PrefillConfig:
     bias_in_acc: Optional[bool] = None
     # FA3's intra-warpgroup overlap: QK^T(n) issued with P V(n-1) and the softmax of tile n run while P V(n-1)
     # executes (P and the scores live at once). False: one turn issues P V(n-1), waits for it and issues QK^T(n)
-    # (64 registers fewer per thread)
+    # (P and the scores never live at once: 32 registers fewer per thread at head_dim 128)
     intra_wg_overlap: Optional[bool] = None  # None: ``default_intra_wg_overlap``
 
     def __post_init__(self):

@@ -62,7 +62,7 @@ softmax of tile n) is off with three MMA warpgroups at head_dim 128, whose 160 r
 and O together: there one turn issues P V(n-1), waits for it, refills the score registers and issues QK^T(n)
 (``_tile_serial``), and the other two warpgroups' turns keep the tensor cores busy during the softmax. H100,
 interleaved A/B vs 128 rows with the overlap, outputs bit-identical: D128 S8K 0.96-0.98x the time, S16K
-0.92-0.93x, FP8 P x V 0.90-0.94x; causal 16-bit P x V mixed (0.97-1.04x), so it keeps 128 rows.
+0.92-0.93x, FP8 P x V 0.89-0.98x; causal 16-bit P x V mixed (0.97-1.04x), so it keeps 128 rows.
 
 ``bias_in_acc`` (default with int8 Q K): the score registers are set to the bias bits (16 shared loads) once P has
 left them and Q K^T accumulates onto them, so no integer add per score converts the int32 scores
@@ -735,8 +735,8 @@ class QKInt8PrefillSm90:
         """``intra_wg_overlap=False``: tile n >= 1 without the intra-warpgroup overlap. One turn issues P V(n-1),
         waits for it, refills the score registers and issues QK^T(n); the softmax of tile n then runs with no
         MMA of this warpgroup in flight. So P and the scores are never live together (P V(n-1) is done before
-        QK^T(n) writes the score registers): 64 registers fewer than ``_tile``, which lets three MMA warpgroups
-        (192 rows) fit at head_dim 128, and the other two warpgroups' MMAs fill the tensor cores meanwhile."""
+        QK^T(n) writes the score registers): at most O + scores live (128 registers at head_dim 128) instead of
+        O + scores + P (160), which lets three MMA warpgroups (192 rows) fit at head_dim 128, and the other two warpgroups' MMAs fill the tensor cores meanwhile."""
         cfg, TN = self.cfg, self.cfg.tile_n
         st = _consumer_state(n, cfg.kv_stages)
         st_prev = _consumer_state(n - 1, cfg.kv_stages)
