@@ -680,7 +680,7 @@ class QKInt8PrefillSm90:
         ``tOrP``), the softmax of tile n, the O rescale, then P(n) -> ``p_lo`` / ``tOrP`` once P V(n-1) is done
         with them and the score registers refilled with the bias. Returns the early K / V tokens
         (``early_kv_wait``)."""
-        cfg, TN = self.cfg, self.cfg.tile_n
+        cfg = self.cfg
         st = _consumer_state(n, cfg.kv_stages)
         st_prev = _consumer_state(n - 1, cfg.kv_stages)
         self._my_turn(wg)
@@ -688,12 +688,8 @@ class QKInt8PrefillSm90:
         self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st_prev, v_tok)
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
-        k_pipe.consumer_release(st)
-        self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
-        if cutlass.const_expr(cfg.early_kv_wait):
-            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
-            v_tok = _landed(v_pipe, st)
-        self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
+        k_tok, v_tok = self._tile_softmax(n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k,
+                                          diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr)
         warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
         v_pipe.consumer_release(st_prev)
         o_mn = cute.make_tensor(acc_o.iterator, o_rc)
@@ -711,6 +707,20 @@ class QKInt8PrefillSm90:
                 self._rescale_o(o_mn, corr)
         self._store_p(s, acc_s.layout, p_lo, tOrP)
         self._bias_scores(acc_s, bias_addr)
+        return k_tok, v_tok
+
+    @cute.jit
+    def _tile_softmax(self, n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k, diag,
+                      n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr):
+        """Tile n >= 1 once its QK^T is done: K tile released, scores (masked where needed), the early K / V
+        tests (``early_kv_wait``), the online softmax. Returns the early tokens."""
+        cfg, TN = self.cfg, self.cfg.tile_n
+        k_pipe.consumer_release(st)
+        self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
+        if cutlass.const_expr(cfg.early_kv_wait):
+            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
+            v_tok = _landed(v_pipe, st)
+        self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
         return k_tok, v_tok
 
     @cute.jit
@@ -737,7 +747,7 @@ class QKInt8PrefillSm90:
         MMA of this warpgroup in flight. So P and the scores are never live together (P V(n-1) is done before
         QK^T(n) writes the score registers): at most O + scores live (128 registers at head_dim 128) instead of
         O + scores + P (160), which lets three MMA warpgroups (192 rows) fit at head_dim 128, and the other two warpgroups' MMAs fill the tensor cores meanwhile."""
-        cfg, TN = self.cfg, self.cfg.tile_n
+        cfg = self.cfg
         st = _consumer_state(n, cfg.kv_stages)
         st_prev = _consumer_state(n - 1, cfg.kv_stages)
         self._my_turn(wg)
@@ -750,12 +760,8 @@ class QKInt8PrefillSm90:
         self._issue_qk(mma_qk, mma_qk_acc, acc_s, tSrQ, tSrK, k_pipe, st, k_tok)
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(0)
-        k_pipe.consumer_release(st)
-        self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
-        if cutlass.const_expr(cfg.early_kv_wait):
-            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
-            v_tok = _landed(v_pipe, st)
-        self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
+        k_tok, v_tok = self._tile_softmax(n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k,
+                                          diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr)
         if cute.arch.vote_any_sync(self._rows_moved(corr)):  # FP8: tile n-1's P V was added above
             self._rescale_o(cute.make_tensor(acc_o.iterator, o_rc), corr)
         self._store_p(s, acc_s.layout, p_lo, tOrP)
