@@ -2,9 +2,10 @@
 
 The INT8 Q/K block sizes of the prepass are tied to these tiles (docs in ``qattn/quant/qk_int8.py``):
 
-* one CTA owns ``tile_m`` = 128 query rows = ``block_q``; its two MMA warpgroups own 64 rows each and every warp
-  owns 16 consecutive rows = ``warp_q``, exactly the rows of the wgmma accumulator fragment of that warp. So a
-  per-warp q scale is one scalar per thread and a per-block q scale one scalar per CTA;
+* one CTA owns ``tile_m`` = 128 query rows = ``block_q`` (or 192 with per_warp q scales, ``default_tile_m``); its
+  MMA warpgroups own 64 rows each and every warp owns 16 consecutive rows = ``warp_q``, exactly the rows of the
+  wgmma accumulator fragment of that warp. So a per-warp q scale is one scalar per thread and a per-block q scale
+  one scalar per CTA;
 * one K/V tile is ``tile_n`` = 128 keys = ``block_k``, so each tile has one k scale.
 """
 
