@@ -144,14 +144,10 @@ def k_cluster_plan(head_dim: int, block_k: int, num_groups: int) -> tuple[int, i
     per CTA slower on the GPU and not faster end to end (D128 S4K 40.9 -> 43.5 us, 456 -> 471; D64 S4K 17.8 ->
     18.8; D64 S8K, 8 per CTA, 33.6 -> 43.5): every CTA loads, waits for its cluster's sums, then quantizes, with
     nothing to overlap those phases."""
-    from ..cute_kernels.sm90.qk_int8_quant import CLUSTER_MAX_GROUPS_PER_CTA, CLUSTER_SIZE, CLUSTER_TILE_VALUES
+    from ..cute_kernels.sm90.qk_int8_quant import CLUSTER_SIZE, cluster_groups_per_cta
 
-    gpc = 1
-    while CLUSTER_SIZE * gpc < num_groups:
-        gpc *= 2
-    if gpc > CLUSTER_MAX_GROUPS_PER_CTA or gpc * block_k * head_dim > CLUSTER_TILE_VALUES:
-        return None
-    return CLUSTER_SIZE, gpc
+    gpc = cluster_groups_per_cta(head_dim, block_k, num_groups)
+    return None if gpc is None else (CLUSTER_SIZE, gpc)
 
 
 def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[torch.Tensor, int]:

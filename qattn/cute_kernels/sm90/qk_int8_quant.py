@@ -54,8 +54,8 @@ from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_s8x4, mul_rn,
 from qattn.interface.variants import Variant, cache_for, register
 
 __all__ = ["QKInt8Quant", "CLUSTER_MAX_GROUPS_PER_CTA", "CLUSTER_SIZE", "CLUSTER_TILE_VALUES", "balance_log2",
-           "bits_f32", "f32_bits", "make_quant_compile_args", "quant_placeholder_args", "compiled_quant", "div_rn",
-           "div_rn_f64", "f64_to_f32_rn"]
+           "bits_f32", "cluster_groups_per_cta", "f32_bits", "make_quant_compile_args", "quant_placeholder_args",
+           "compiled_quant", "div_rn", "div_rn_f64", "f64_to_f32_rn"]
 
 KIND = "qk_int8_quant"
 
@@ -172,6 +172,18 @@ def _add_word_f64(acc_lo, acc_hi, word, in_bf16: bool, *, loc=None, ip=None) -> 
     res = _asm(llvm.StructType.get_literal([T.f64(), T.f64()]), ops, text, "=d,=d,d,d,r")
     return (Float64(llvm.extractvalue(T.f64(), res, [0], loc=loc, ip=ip)),
             Float64(llvm.extractvalue(T.f64(), res, [1], loc=loc, ip=ip)))
+
+
+def cluster_groups_per_cta(head_dim: int, group_rows: int, num_groups: int) -> int | None:
+    """Groups per CTA of the one-launch (cluster) K quantization for ``num_groups`` groups per (sequence, head):
+    the smallest power of two with ``CLUSTER_SIZE`` CTAs covering them, or None when that exceeds
+    ``CLUSTER_MAX_GROUPS_PER_CTA`` or a CTA's ``CLUSTER_TILE_VALUES`` (the two-kernel path then)."""
+    gpc = 1
+    while CLUSTER_SIZE * gpc < num_groups:
+        gpc *= 2
+    if gpc > CLUSTER_MAX_GROUPS_PER_CTA or gpc * group_rows * head_dim > CLUSTER_TILE_VALUES:
+        return None
+    return gpc
 
 
 def _gptr(dtype, addr, align: int):
@@ -530,12 +542,11 @@ def _quant_variants(arch: str, head_dims=None, balance_qk: bool = False, **_):
                                  f"{' varlen' if varlen else ''}{' balance ' + bal if bal else ''}")
                         out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
             # the one-launch K quantization of short sequences (qattn.quant.launch.k_cluster_plan)
-            gpc = 1
-            while gpc <= CLUSTER_MAX_GROUPS_PER_CTA and gpc * 128 * d <= CLUSTER_TILE_VALUES:
+            plans = {cluster_groups_per_cta(d, 128, n) for n in range(1, CLUSTER_SIZE * CLUSTER_MAX_GROUPS_PER_CTA + 1)}
+            for gpc in sorted(plans - {None}):
                 for varlen in (False, True):
                     cfg = QKInt8Quant(d, 128, in_bf16, True, varlen, None, CLUSTER_SIZE, gpc)
                     label = (f"{'bf16' if in_bf16 else 'fp16'} D{d} rows128 mean{' varlen' if varlen else ''} "
                              f"cluster{CLUSTER_SIZE}x{gpc}")
                     out.append(Variant(KIND, (KIND, arch) + cfg.key, label, lambda cfg=cfg: _build(cfg, arch)))
-                gpc *= 2
     return out
