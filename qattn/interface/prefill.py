@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..cute_kernels.sm90.prefill_config import BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, lpt_group
+from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, lpt_group,
+                                               split_tail_plan)
 from .fast_launch import fast, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
@@ -34,7 +35,7 @@ def prefill_compile_args():
     from cutlass import Float32, Int32, Int64
 
     return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
-            + [cute.runtime.make_fake_stream()])
+            + [Int32(1), Int32(1), Int64(0), Int64(0)] + [cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -131,6 +132,7 @@ def _check_qkv_16bit(q, k, v) -> None:
 
 
 _lpt_group = functools.lru_cache(maxsize=4096)(lpt_group)  # per argument tuple: no Python work per call
+_split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
@@ -142,13 +144,26 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
     def addr(t):
         return 0 if t is None else t.data_ptr()
 
+    num_full, splits, part, count = 0, 1, None, None
+    if cfg.split_tail:  # dense non-causal: the last partial wave's units may run split over their keys
+        num_units = -(-max_seqlen_q // cfg.tile_m) * Hq * num_seqs
+        num_full, splits = _split_tail_plan(num_units, -(-seqlen_k // cfg.tile_n), _num_sms(dev))
+        if splits > 1:
+            n_tail = num_units - num_full
+            part = torch.empty(n_tail * splits * cfg.tile_m * (cfg.head_dim + 1), dtype=torch.float32, device=dev)
+            count = torch.zeros(n_tail, dtype=torch.int32, device=dev)
     with on_device(dev):
         _prefill_kernel(arch, cfg)(
             addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            stream_handle(dev))
+            num_full, splits, addr(part), addr(count), stream_handle(dev))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def prefill_int8(

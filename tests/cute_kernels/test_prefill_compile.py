@@ -272,3 +272,42 @@ def test_causal_grid_groups():
     full = PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp")
     assert lpt_group(full, 32, 1, 1024) == 1  # non-causal: equal work per CTA
     assert lpt_group(causal, 8 * 65535, 64, 1) == 8 and lpt_group(causal, 8 * 65536, 64, 1) == 1  # grid z <= 65535
+
+
+def test_split_tail_plan():
+    """Whole waves run whole; the last partial wave's units split over K/V ranges where that shortens the tail
+    (H100, 132 SMs, B2 H16 with 192-row tiles: S8K 1376 units = 10 waves + 56 -> 2 splits, S4K 5 + 44 -> 3),
+    not where splits would be short (S2K, S1K), nor without a tail."""
+    from qattn.cute_kernels.sm90.prefill_config import MAX_TAIL_SPLITS, split_tail_plan
+
+    assert split_tail_plan(1376, 64, 132) == (1320, 2)
+    assert split_tail_plan(704, 32, 132) == (660, 3)
+    assert split_tail_plan(352, 16, 132) == (352, 1)
+    assert split_tail_plan(192, 8, 132) == (192, 1)
+    assert split_tail_plan(2752, 128, 132) == (2752, 1)  # 20 waves + 112: splitting cannot beat one wave
+    assert split_tail_plan(1320, 64, 132) == (1320, 1)  # no tail
+    assert split_tail_plan(3, 1, 132) == (3, 1)  # one K/V tile: nothing to split
+    for units in range(1, 400, 7):
+        for tiles in (1, 2, 5, 16, 64, 200):
+            full, splits = split_tail_plan(units, tiles, 132)
+            assert 1 <= splits <= min(MAX_TAIL_SPLITS, tiles)
+            assert (full, splits) == (units, 1) or (full % 132 == 0 and full < units)
+
+
+def test_split_tail_config_and_ptx():
+    """split_tail: on for dense non-causal grids (1-D grid, a partial-output merge after an acq_rel counter),
+    off for causal and varlen ones (equal work per CTA is what the plan assumes); in the compile key."""
+    def cfg(**kw):
+        return PrefillConfig(**dict(dict(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp"), **kw))
+
+    assert cfg().split_tail and not cfg(causal=True).split_tail and not cfg(varlen=True).split_tail
+    for bad in (dict(causal=True), dict(varlen=True)):
+        with pytest.raises(ValueError, match="split_tail"):
+            cfg(split_tail=True, **bad)
+    assert cfg().key != cfg(split_tail=False).key
+    split, whole = _compile(cfg(pv_dtype="fp8")), _compile(cfg(pv_dtype="fp8", split_tail=False))
+    assert ptx_has(split, r"atom\.global\.acq_rel\.add\.u32") and ptx_count(split, "fence.acq_rel.gpu") == 2
+    assert not ptx_has(whole, r"atom\.global") and not ptx_has(whole, "fence.acq_rel.gpu")
+    for mma in ("wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8", "wgmma.mma_async"):
+        assert ptx_count(split, mma) == ptx_count(whole, mma)
+    assert not ptx_has(split, "ld.local") and not ptx_has(split, "st.local"), "local arrays"

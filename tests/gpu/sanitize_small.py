@@ -1,7 +1,7 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
 seqlen_q > 1, a recent window, sink tokens), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal,
-varlen; with and without channel balancing). Run as a script; exits non-zero on a wrong result."""
+varlen; with and without channel balancing; a split last wave). Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -81,6 +81,21 @@ def _prefill(g) -> None:
                    dict(balance_qk=True, granularity="per_block", smooth_k=False)):
             assert torch.isfinite(qattn.flash_attn_func(qd, kd, vd, causal=True, **kw)).all()
     print("prefill fp8 P.V / per_block / channel balance ran")
+    import qattn.interface.prefill as P
+
+    num_sms = P._num_sms
+    P._num_sms = lambda dev: 7  # 8 units on "7 SMs": the last one split in 4 over its 24 K/V tiles (split_tail)
+    try:
+        qs, ks, vs = (torch.randn(1, n, h, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+                      for n, h in ((200, 4), (3000, 2), (3000, 2)))
+        out = qattn.flash_attn_func(qs, ks, vs)
+        ref = prefill_reference(qs, ks, vs, qk_quant="int8")
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-2, ("prefill split tail", err)
+        assert torch.isfinite(qattn.flash_attn_func(qs, ks, vs, pv_dtype="fp8")).all()
+    finally:
+        P._num_sms = num_sms
+    print(f"prefill split tail: max rel err {err:.2e}; fp8 P.V ran")
     lens = [1, 150, 70]
     cu = torch.tensor([0, 1, 151, 221], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(221, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 1, 1))

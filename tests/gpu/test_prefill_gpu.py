@@ -351,8 +351,10 @@ def test_serial_loop_gives_identical_outputs(D, pv_dtype, causal):
     the prepass's int8 Q; varlen with 16-bit P x V (tiles past a sequence's end)."""
     from qattn.interface.prefill import prefill_int8, prefill_int8_varlen
 
-    tunings = [{"tile_m": 128 if D == 128 else 192, "intra_wg_overlap": True},
-               {"tile_m": 192, "intra_wg_overlap": False}, {"tile_m": 128, "intra_wg_overlap": False}]
+    # whole units (split_tail off): the tail's split plan depends on tile_m, and its merge rounds differently
+    tunings = [{"tile_m": 128 if D == 128 else 192, "intra_wg_overlap": True, "split_tail": False},
+               {"tile_m": 192, "intra_wg_overlap": False, "split_tail": False},
+               {"tile_m": 128, "intra_wg_overlap": False, "split_tail": False}]
     q, q8, qs, k8, ks, v, kw = _ab_inputs(333, 1000, D, pv_dtype, causal, seed=D + 5)
     for qq, ss in ((q, None), (q8, qs)):
         outs = [prefill_int8(qq, ss, k8, ks, v, **kw, _tuning=t) for t in tunings]
@@ -366,6 +368,61 @@ def test_serial_loop_gives_identical_outputs(D, pv_dtype, causal):
                                     return_lse=True, _tuning=t) for t in tunings]
         for o in outs[1:]:
             assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
+
+
+@pytest.mark.parametrize("sms", [5, 7])
+@pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8"), (64, "fp8")])
+def test_split_tail_matches_whole_units(monkeypatch, D, pv_dtype, sms):
+    """Dense non-causal grids split the units of their last, partial wave over K/V ranges (``split_tail``; the SM
+    count patched to 5 / 7 so that these 16 units, 2 query tiles x 4 heads x 2, have a tail of 1 / 2; 3000 keys =
+    24 tiles, the last one ragged and masked, in the last split). Against the same grid run as whole units: the
+    other units bit for bit, LSE to fp32 rounding, and the same result on every run (the merge adds the splits in
+    order, whichever CTA finishes last). The split units: 16-bit P x V close to whole units (the merge reorders
+    sums); FP8 P x V rounds P against each split's own running max, so its E4M3 rounding differs from the whole
+    row's (~2 % NRMSE apart on these "heavy" inputs): there, as close to exact attention as whole units."""
+    import qattn.interface.prefill as P
+    from qattn.interface.prefill import prefill_int8
+
+    from qattn.reference.attention import attention_reference
+
+    monkeypatch.setattr(P, "_num_sms", lambda dev: sms)
+    q, q8, qs, k8, ks, v, kw = _ab_inputs(333, 3000, D, pv_dtype, False, seed=D + 9)
+    _, k16, v16 = _inputs(2, 333, 3000, 4, 2, D, torch.bfloat16, outliers="heavy", seed=D + 9)  # as _ab_inputs
+    ref = attention_reference(q, k16, v16)
+    cfg = P._config(head_dim=D, v_dtype="bf16", causal=False, granularity="per_warp", pv_dtype=pv_dtype,
+                    quantize_q=True)
+    B, Sq, Hq, _ = q.shape
+    m_blocks = -(-Sq // cfg.tile_m)
+    num_full, splits = P.split_tail_plan(m_blocks * Hq * B, -(-3000 // 128), sms)
+    assert cfg.split_tail and splits > 1 and num_full < m_blocks * Hq * B
+    tail = torch.zeros(B, Sq, Hq, dtype=torch.bool, device="cuda")
+    for u in range(num_full, m_blocks * Hq * B):  # units: query tile fastest, then head, then sequence
+        m, h, b = u % m_blocks, u // m_blocks % Hq, u // (m_blocks * Hq)
+        tail[b, m * cfg.tile_m:(m + 1) * cfg.tile_m, h] = True
+    for qq, ss in ((q, None), (q8, qs)):
+        split, split2, whole = (prefill_int8(qq, ss, k8, ks, v, **kw, _tuning=t)
+                                for t in (None, None, {"split_tail": False}))
+        assert torch.isfinite(split[0]).all()
+        assert torch.equal(split[0], split2[0]) and torch.equal(split[1], split2[1]), "not deterministic"
+        assert torch.equal(split[0][~tail], whole[0][~tail]), "whole units changed"
+        assert torch.equal(split[1].transpose(1, 2)[~tail], whole[1].transpose(1, 2)[~tail])
+        err_split, err_whole = _nrmse(split[0][tail], ref[tail]), _nrmse(whole[0][tail], ref[tail])
+        assert err_split <= 1.1 * err_whole, (err_split, err_whole)
+        if pv_dtype == "bf16":
+            diff = _nrmse(split[0][tail], whole[0][tail].double())
+            assert diff <= 3e-3, diff
+        assert (split[1] - whole[1]).abs().max() <= 1e-3
+    # CUDA graph: the per-call counters are zeroed inside the graph, so every replay merges again
+    prefill_int8(q, None, k8, ks, v, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = prefill_int8(q, None, k8, ks, v, **kw)
+    eager = prefill_int8(q, None, k8, ks, v, **kw)
+    for _ in range(2):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
 @pytest.mark.parametrize("sk", [100, 1000, 1100])  # 1, 8 and 9 key tiles
@@ -447,12 +504,14 @@ def test_v_fp8_prepass_matches_reference(poison_v_prepass, B, Sk, H, D, dtype):
 
 
 def _run_fp8(q8, qs, k8, ks, vt, vs, causal, granularity, out_dtype):
+    """Whole units (no ``split_tail``): the emulation rounds P against one running max per row, while a split
+    unit rounds it against each split's own (``test_split_tail_matches_whole_units``)."""
     from qattn.interface.prefill import prefill_int8
 
     B, Sq, Hq, D = q8.shape
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=out_dtype, device="cuda")
     return prefill_int8(q8, qs, k8, ks, vt, causal=causal, granularity=granularity, return_lse=True, out=out,
-                        pv_dtype="fp8", v_scale=vs)
+                        pv_dtype="fp8", v_scale=vs, _tuning={"split_tail": False})
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -502,10 +561,14 @@ def test_fp8pv_format_error_vs_exact_attention(dtype, case):
 
 @pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attn_func_fp8_end_to_end(causal, D, dtype):
-    """Three launches (Q/K prepass, V prepass, attention) vs the emulation of the same rules."""
+def test_flash_attn_func_fp8_end_to_end(monkeypatch, causal, D, dtype):
+    """Three launches (Q/K prepass, V prepass, attention) vs the emulation of the same rules (whole units, see
+    ``_run_fp8``)."""
     import qattn
+    import qattn.interface.prefill as P
     from qattn.reference.prefill_fp8pv import prefill_fp8pv_emulation
+
+    monkeypatch.setattr(P, "_split_tail_plan", lambda num_units, num_kv_tiles, num_sms: (num_units, 1))
 
     q, k, v = _inputs(2, 700, 900, 8, 2, D, dtype, outliers="k_offset", seed=11)
     o, lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype="fp8", return_lse=True)

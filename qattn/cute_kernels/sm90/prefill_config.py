@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LPT_GROUP_KV_BYTES",
-           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group"]
+           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "split_tail_plan"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -93,6 +93,42 @@ def lpt_group(cfg: "PrefillConfig", num_units: int, q_per_kv: int, keys_per_unit
     return g if num_units // g <= _MAX_GRID_Z else 1  # the groups are the grid's z
 
 
+# split_tail_plan's cost model, in K/V tiles of one CTA: what a CTA costs besides its tiles (Q load and
+# quantization, pipeline fill, epilogue), what a split CTA adds (its partial output written, the count, the
+# merge), and the least saving worth a split (a fraction of the whole tail's cost)
+_CTA_TILES = 6.0
+_SPLIT_TILES = 4.0
+_MIN_SAVING = 0.1
+MAX_TAIL_SPLITS = 4
+
+
+def split_tail_plan(num_units: int, num_kv_tiles: int, num_sms: int) -> tuple:
+    """Dense non-causal grids (``PrefillConfig.split_tail``): ``(num_full_units, tail_splits)``.
+
+    One CTA per SM (registers), every (query tile, head, sequence) unit the same work: ``num_units`` CTAs run in
+    waves of ``num_sms``, and a last, partial wave of ``rem`` units leaves the other SMs idle for a whole unit
+    (H100, B2 H16 with 192-row tiles: S8K 1376 units = 10 waves + 56, S4K 5 + 44). The first ``num_full_units``
+    (whole waves) run as usual; each of the ``rem`` others is split into ``tail_splits`` CTAs over contiguous
+    ranges of its K/V tiles, and the last of them to finish merges the partial outputs (LSE weights). The tail
+    costs ``ceil(rem * s / num_sms)`` waves of ``_CTA_TILES + num_kv_tiles / s + _SPLIT_TILES`` tiles against
+    one wave of ``_CTA_TILES + num_kv_tiles``; ``(num_units, 1)`` (no split) unless a split saves
+    ``_MIN_SAVING`` of that.
+
+    H100, kernel only, CUDA graph, B2 H16, 16-bit P x V, time split / whole units: D128 S8K (2 splits of 32
+    tiles) 0.943, FP8 P x V 0.953, D64 0.960, FP8 0.988; S4K (3 of ~11) D128 0.940, FP8 0.957, D64 0.918. Short
+    splits lose (the constants above come from these): S2K 3 of ~5 tiles 1.196 (D64 1.189), S1K 2 of 4 1.125."""
+    full_waves, rem = divmod(num_units, num_sms)
+    whole = _CTA_TILES + num_kv_tiles
+    best_s, best = 1, whole
+    for s in range(2, min(MAX_TAIL_SPLITS, num_kv_tiles) + 1):
+        cost = -(-rem * s // num_sms) * (_CTA_TILES + num_kv_tiles / s + _SPLIT_TILES)
+        if cost < best:
+            best_s, best = s, cost
+    if rem == 0 or best > (1 - _MIN_SAVING) * whole:
+        return num_units, 1
+    return full_waves * num_sms, best_s
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     head_dim: int
@@ -131,6 +167,9 @@ class PrefillConfig:
     # executes (P and the scores live at once). False: one turn issues P V(n-1), waits for it and issues QK^T(n)
     # (P and the scores never live at once: 32 registers fewer per thread at head_dim 128)
     intra_wg_overlap: Optional[bool] = None  # None: ``default_intra_wg_overlap``
+    # dense non-causal: a 1-D grid whose last, partial wave of units may be split over K/V ranges (runtime plan
+    # ``split_tail_plan``; the last split CTA of a unit merges). None: on for dense non-causal grids.
+    split_tail: Optional[bool] = None
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -148,6 +187,10 @@ class PrefillConfig:
                                                               self.causal, self.qk_dtype))
         if self.intra_wg_overlap is None:
             object.__setattr__(self, "intra_wg_overlap", default_intra_wg_overlap(self.head_dim, self.tile_m))
+        if self.split_tail is None:
+            object.__setattr__(self, "split_tail", not (self.causal or self.varlen))
+        if self.split_tail and (self.causal or self.varlen):
+            raise ValueError("split_tail: only dense non-causal grids (equal work per CTA) split their last wave")
         if self.tile_n != BLOCK_K or self.tile_m not in (BLOCK_Q, 3 * 64):
             raise ValueError("tile_m / tile_n: the prepass block sizes fix them to 128 x 128 (tile_m 192 with "
                              f"per_warp q scales), got {self.tile_m} x {self.tile_n}")
@@ -187,7 +230,8 @@ class PrefillConfig:
             qk = (self.v_dtype, "int8")
         flags = tuple(name for name, on in (("balance_qk", self.balance_qk), ("early_kv_wait", self.early_kv_wait),
                                             ("bias_in_acc", self.bias_in_acc),
-                                            ("serial_wg", not self.intra_wg_overlap))
+                                            ("serial_wg", not self.intra_wg_overlap),
+                                            ("split_tail", self.split_tail))
                       if on)
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,

@@ -26,6 +26,11 @@ Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are the
 ``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
 sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
 
+Split tail (``PrefillConfig.split_tail``, dense non-causal): a 1-D grid whose units (query tile, head, sequence)
+past ``num_full_units`` run as ``tail_splits`` CTAs over contiguous K/V ranges each; those write fp32 partials,
+and the last of a unit's CTAs to count itself in merges them (``_split_epilogue``; ``prefill_config.
+split_tail_plan`` says why and when).
+
 FP8 P x V (``PrefillConfig(pv_dtype="fp8")``, same template, branches taken at compile time; the 16-bit variant's
 PTX is byte-identical to the one before the branch existed): V comes from the V prepass
 (``qattn.quant.v_fp8``) as E4M3 V^T (batch, kv_heads, head_dim, keys padded to 128), keys contiguous -- FP8
@@ -179,6 +184,16 @@ def _lds_volatile_b32x4(addr, *, loc=None, ip=None):
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
+@cute.jit
+def _of_row(vals, r):
+    """``vals[i]`` of accumulator row ``r`` (tile coordinates): a thread's rows are lane/4 (i = 0) and lane/4 + 8
+    (i = 1) of its warp's 16. A select, not an index: a runtime index would put ``vals`` in local memory."""
+    v = vals[0]
+    if (r % 16) >= 8:
+        v = vals[1]
+    return v
+
+
 def _tree(vals: list, op, arity: int = 2):
     """op-reduction of ``vals`` as a tree (traced: depth log n instead of a chain of n - 1). ``arity`` 3 groups
     op(op(a, b), c), which ptxas fuses into one 3-input instruction where one exists (integer min / max)."""
@@ -239,7 +254,8 @@ class QKInt8PrefillSm90:
         q_scale_addr: Int64, k_scale_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64,
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, stream: cuda.CUstream,
+        v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32,
+        part_addr: Int64, count_addr: Int64, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -249,7 +265,12 @@ class QKInt8PrefillSm90:
         ``pv_dtype="fp8"``: ``v_addr`` is the V prepass's V^T, E4M3 (batch, num_kv_heads, head_dim,
         num_k_blocks * tile_n), and ``v_scale_addr`` its fp32 per-channel scales (batch, num_kv_heads, head_dim);
         unused (0) otherwise. ``balance_qk``: ``qk_balance_addr`` is the prepass's fp32 channel balance (num_seqs,
-        num_kv_heads, head_dim); unused (0) otherwise."""
+        num_kv_heads, head_dim); unused (0) otherwise.
+
+        ``split_tail``: units (query tile, head, sequence) ``>= num_full_units`` run as ``tail_splits`` CTAs each
+        (``prefill_config.split_tail_plan``); ``part_addr``: fp32 partial outputs (tail CTAs, tile_m, head_dim)
+        then their log2-domain LSEs (tail CTAs, tile_m); ``count_addr``: int32 zeros, one per split unit. Unused
+        otherwise."""
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -322,17 +343,21 @@ class QKInt8PrefillSm90:
             sV: cute.struct.Align[cute.struct.MemRange[pv_ab, cute.cosize(sV_layout)], 1024]
             sQin: cute.struct.Align[cute.struct.MemRange[self.q_dtype, sQin_size], 1024]
             bias_bits: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
+            tail_flag: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.shared_storage = SharedStorage
         num_m_blocks = (max_seqlen_q + TM - 1) // TM
         args = (mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                 sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
+        split = (num_full_units, tail_splits, part_addr, count_addr)
         if cutlass.const_expr(self.fp8):
-            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group)
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group, *split)
         else:
-            launcher = self.kernel(*args, qk_balance_addr, lpt_group)
+            launcher = self.kernel(*args, qk_balance_addr, lpt_group, *split)
         grid = (num_m_blocks, num_heads, num_seqs)
+        if cutlass.const_expr(cfg.split_tail):  # 1-D: whole waves of units, then the split units' CTAs
+            grid = (num_full_units + (num_m_blocks * num_heads * num_seqs - num_full_units) * tail_splits, 1, 1)
         if cutlass.const_expr(cfg.causal):  # lpt_group > 1: (unit in group, tile, group), see ``_causal_position``
             grouped = lpt_group > 1
             grid = (Int32(cutlass.select_(grouped, lpt_group, num_m_blocks)),
@@ -352,13 +377,14 @@ class QKInt8PrefillSm90:
         sQin_layout: cute.ComposedLayout, o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
-        qk_balance_addr: Int64, lpt_group: Int32,
+        qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32, part_addr: Int64,
+        count_addr: Int64,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
-                   qk_balance_addr, lpt_group)
+                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr))
 
     @cute.kernel
     def kernel_fp8(
@@ -371,18 +397,19 @@ class QKInt8PrefillSm90:
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32,
+        num_full_units: Int32, tail_splits: Int32, part_addr: Int64, count_addr: Int64,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-                   qk_balance_addr, lpt_group)
+                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr))
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
               sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
               num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-              qk_balance_addr, lpt_group):
+              qk_balance_addr, lpt_group, split_args):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -392,6 +419,9 @@ class QKInt8PrefillSm90:
         m_block = bid_m
         if cutlass.const_expr(cfg.causal):
             m_block, h, b = self._causal_position(num_heads, lpt_group)
+        tail, split, ns = None, None, None
+        if cutlass.const_expr(cfg.split_tail):
+            m_block, h, b, tail, split, ns = self._split_position(seqlen_q, num_heads, split_args)
         group = num_heads // num_kv_heads
         h_kv = h // group
         # This CTA's sequence: b_t is its batch index in the (seqlen, dim, head, batch) tensors, its rows start at
@@ -409,6 +439,10 @@ class QKInt8PrefillSm90:
         # Keys this tile reads: all of them, or (causal) up to the last row's diagonal; none for a tile past
         # the end of its sequence (varlen grids are sized for the longest one).
         n_blocks = (len_k + TN - 1) // TN
+        kb0 = None  # split_tail: this CTA's first K/V tile
+        if cutlass.const_expr(cfg.split_tail):
+            kb0 = split * n_blocks // ns
+            n_blocks = (split + 1) * n_blocks // ns - kb0
         if cutlass.const_expr(cfg.causal):
             last_key = cutlass.min(len_k, (m_block + 1) * TM + len_k - len_q)
             n_blocks = cutlass.max(last_key + TN - 1, 0) // TN
@@ -474,20 +508,44 @@ class QKInt8PrefillSm90:
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_prod))
                 kv_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stages)
                 for n in cutlass.range(n_blocks, unroll=1):
+                    kn = n if cutlass.const_expr(kb0 is None) else kb0 + n
                     k_pipe.producer_acquire(kv_prod)
-                    cute.copy(tma_k, tKg[None, n], tKs[None, kv_prod.index],
+                    cute.copy(tma_k, tKg[None, kn], tKs[None, kv_prod.index],
                               tma_bar_ptr=k_pipe.producer_get_barrier(kv_prod))
                     v_pipe.producer_acquire(kv_prod)
-                    cute.copy(tma_v, tVg[None, n], tVs[None, kv_prod.index],
+                    cute.copy(tma_v, tVg[None, kn], tVs[None, kv_prod.index],
                               tma_bar_ptr=v_pipe.producer_get_barrier(kv_prod))
                     kv_prod.advance()
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
+            tail_args = None
+            if cutlass.const_expr(cfg.split_tail):
+                # a split CTA sees keys [kb0 * TN, ...): its tiles' k scales and mask columns start there
+                k_scale_addr = k_scale_addr + Int64(kb0) * 4
+                len_k = len_k - kb0 * TN
+                tail_args = (tail, ns, split_args, storage.tail_flag.data_ptr())
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
                           scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr,
-                          bias_addr)
+                          bias_addr, tail_args)
+
+    @cute.jit
+    def _split_position(self, seqlen_q: Int32, num_heads: Int32, split_args):
+        """``split_tail``: (query tile, head, sequence, tail CTA index or -1, split, splits of this unit) of this
+        CTA of the 1-D grid. Units are numbered tile fastest, then head, then sequence (the 3-D grid's order);
+        CTA x < num_full_units runs unit x whole, the others run split ``(x - num_full_units) % tail_splits`` of
+        unit ``num_full_units + (x - num_full_units) // tail_splits``."""
+        num_full_units, tail_splits = split_args[0], split_args[1]
+        x, _, _ = cute.arch.block_idx()
+        num_m_blocks = (seqlen_q + self.cfg.tile_m - 1) // self.cfg.tile_m
+        unit, tail, split, ns = x, Int32(-1), Int32(0), Int32(1)
+        if x >= num_full_units:
+            tail = x - num_full_units
+            unit = num_full_units + tail // tail_splits
+            split = tail % tail_splits
+            ns = tail_splits
+        return unit % num_m_blocks, unit // num_m_blocks % num_heads, unit // (num_m_blocks * num_heads), tail, split, ns
 
     @cute.jit
     def _causal_position(self, num_heads: Int32, lpt_group: Int32):
@@ -509,7 +567,7 @@ class QKInt8PrefillSm90:
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
                  num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr, q_words,
-                 sQin_layout, sQ_layout, qk_balance_addr, bias_addr):
+                 sQin_layout, sQ_layout, qk_balance_addr, bias_addr, tail_args=None):
         """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
         in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
@@ -646,6 +704,11 @@ class QKInt8PrefillSm90:
             mVS = cute.make_tensor(cute.make_ptr(Float32, v_scale_addr, gmem, assumed_align=4),
                                    cute.make_layout(1 << 30))
             vs_base = (b * num_kv_heads + h_kv) * D
+        q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
+        if cutlass.const_expr(tail_args is not None):
+            self._split_epilogue(acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, mVS, vs_base, ctid,
+                                 tail_args)
+            q_end = cutlass.select_(tail_args[0] >= 0, 0, seqlen_q)
         for i in cutlass.range_constexpr(n_rows):
             total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
             inv_sum[i] = 0.0
@@ -658,7 +721,7 @@ class QKInt8PrefillSm90:
                     lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * _LN2
             # this thread's rows are lane/4 and lane/4 + 8 of its warp's 16 (wgmma accumulator layout)
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
-            if ctid % 4 == 0 and r < seqlen_q:
+            if ctid % 4 == 0 and r < q_end:
                 mLSE[r] = lse
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             r, c = tOcO[i]
@@ -668,8 +731,95 @@ class QKInt8PrefillSm90:
                 inv = inv_sum[1]
             if cutlass.const_expr(self.fp8):  # O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
                 inv = inv * mVS[vs_base + c]
-            if row < seqlen_q:
+            if row < q_end:
                 mO[row, c] = (acc_o[i] * inv).to(vdt)
+
+    @cute.jit
+    def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, mVS, vs_base, ctid,
+                        tail_args):
+        """``split_tail``, a CTA of a split unit: its normalized partial output and log2-domain LSE to the
+        partial buffers; the last of the unit's CTAs to get here (an acq_rel counter per unit) merges all of
+        them, O = sum_s w_s O_s / sum_s w_s with w_s = exp2(LSE_s - max_s LSE_s), and writes the unit's O and
+        LSE. Whole-unit CTAs (tail -1) do nothing here."""
+        tail, ns, split_args, flag_ptr = tail_args
+        num_full_units, part_addr, count_addr = split_args[0], split_args[2], split_args[3]
+        TM, D, vdt = self.cfg.tile_m, self.D, self.v_dtype
+        gmem = cute.AddressSpace.gmem
+        if tail >= 0:
+            gx, _, _ = cute.arch.grid_dim()
+            n_tail = gx - num_full_units
+            part_o = cute.make_tensor(cute.make_ptr(Float32, part_addr, gmem, assumed_align=16),
+                                      cute.make_layout((TM, D, n_tail), stride=(D, 1, TM * D)))
+            part_l = cute.make_tensor(cute.make_ptr(Float32, part_addr, gmem, assumed_align=16) + n_tail * TM * D,
+                                      cute.make_layout((TM, n_tail), stride=(1, TM)))
+            n_rows = cute.size(row_max)
+            lse2 = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+            inv = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+            r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8 (wgmma accumulator layout)
+            for i in cutlass.range_constexpr(n_rows):
+                total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
+                inv[i] = 0.0
+                lse2[i] = -Float32.inf
+                if total > 0.0:
+                    inv[i] = 1.0 / total
+                    lse2[i] = row_max[i] + cute.math.log2(total, fastmath=True)
+                    if cutlass.const_expr(self.fp8):  # the row sum adds 448 * P
+                        lse2[i] = lse2[i] - Float32(P_FP8_LOG2_SCALE)
+                if ctid % 4 == 0:
+                    part_l[r0 + 8 * i, tail] = lse2[i]
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = tOcO[e]
+                o = acc_o[e] * _of_row(inv, r)
+                if cutlass.const_expr(self.fp8):
+                    o = o * mVS[vs_base + c]
+                part_o[r, c, tail] = o
+            # release this CTA's partials, then count it in; the CTA that completes the count acquires the others'
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
+            flag = cute.make_tensor(flag_ptr, cute.make_layout(4))
+            unit = tail // ns
+            if ctid == 0:
+                count = cute.make_ptr(Int32, count_addr, gmem, assumed_align=4) + unit
+                old = cute.arch.atomic_add(count, Int32(1), sem="acq_rel", scope="gpu")
+                flag[0] = cutlass.select_(old == ns - 1, Int32(1), Int32(0))
+            cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
+            if flag[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                first = unit * ns
+                m = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+                wsum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+                for i in cutlass.range_constexpr(n_rows):
+                    m[i] = -Float32.inf
+                    wsum[i] = 0.0
+                for sp in cutlass.range(ns, unroll=1):
+                    for i in cutlass.range_constexpr(n_rows):
+                        m[i] = cute.arch.fmax(m[i], part_l[r0 + 8 * i, first + sp])
+                for i in cutlass.range_constexpr(n_rows):
+                    if m[i] == -Float32.inf:  # no key in any split: weights exp2(-inf) = 0, not NaN
+                        m[i] = 0.0
+                acc_o.fill(0.0)
+                w = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+                for sp in cutlass.range(ns, unroll=1):  # in split order: the same sums whichever CTA merges
+                    for i in cutlass.range_constexpr(n_rows):
+                        w[i] = cute.math.exp2(part_l[r0 + 8 * i, first + sp] - m[i], fastmath=True)
+                        wsum[i] = wsum[i] + w[i]
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, c = tOcO[e]
+                        acc_o[e] = acc_o[e] + _of_row(w, r) * part_o[r, c, first + sp]
+                for i in cutlass.range_constexpr(n_rows):
+                    inv[i] = 0.0
+                    lse = -Float32.inf
+                    if wsum[i] > 0.0:
+                        inv[i] = 1.0 / wsum[i]
+                        lse = (m[i] + cute.math.log2(wsum[i], fastmath=True)) * _LN2
+                    r = m_block * TM + r0 + 8 * i
+                    if ctid % 4 == 0 and r < seqlen_q:
+                        mLSE[r] = lse
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, c = tOcO[e]
+                    row = m_block * TM + r
+                    if row < seqlen_q:
+                        mO[row, c] = (acc_o[e] * _of_row(inv, r)).to(vdt)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
