@@ -95,7 +95,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from qattn.cute_kernels.common import fp4
-from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_e4m3x4, mul_rn
+from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x2_to_16x2, f32x4_to_e4m3x4, mul_rn
 from qattn.cute_kernels.sm90.qk_int8_quant import FP32_MIN_NORMAL, INT8_MAX, div_rn
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 
@@ -723,16 +723,20 @@ class QKInt8PrefillSm90:
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
             if ctid % 4 == 0 and r < q_end:
                 mLSE[r] = lse
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
+        # two adjacent columns per 32-bit store: values 2k and 2k + 1 of the wgmma accumulator fragment are
+        # columns c, c + 1 of one row (its first mode, (2 columns, 2 rows, D / 8 column groups))
+        assert acc_o.layout.shape[0][0] == 2 and acc_o.layout.stride[0][0] == 1
+        mO2 = cute.make_tensor(cute.recast_ptr(mO.iterator, dtype=Uint32),
+                               cute.make_layout((seqlen_q, D // 2), stride=(num_heads * D // 2, 1)))
+        for i in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             r, c = tOcO[i]
             row = m_block * TM + r
-            inv = inv_sum[0]
-            if (r % 16) >= 8:
-                inv = inv_sum[1]
+            inv0 = _of_row(inv_sum, r)
+            inv1 = inv0
             if cutlass.const_expr(self.fp8):  # O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
-                inv = inv * mVS[vs_base + c]
+                inv0, inv1 = inv0 * mVS[vs_base + c], inv1 * mVS[vs_base + c + 1]
             if row < q_end:
-                mO[row, c] = (acc_o[i] * inv).to(vdt)
+                mO2[row, c // 2] = f32x2_to_16x2(acc_o[i] * inv0, acc_o[i + 1] * inv1, self.v_dtype == BFloat16)
 
     @cute.jit
     def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, mVS, vs_base, ctid,
