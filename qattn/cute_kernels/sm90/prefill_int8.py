@@ -699,14 +699,19 @@ class QKInt8PrefillSm90:
                                 cute.make_layout(seqlen_q))
         mLSE = cute.make_tensor(mLSE.iterator + lse_base, mLSE.layout)
         inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-        mVS, vs_base = None, None
-        if cutlass.const_expr(self.fp8):
-            mVS = cute.make_tensor(cute.make_ptr(Float32, v_scale_addr, gmem, assumed_align=4),
-                                   cute.make_layout(1 << 30))
-            vs_base = (b * num_kv_heads + h_kv) * D
+        # The accumulator fragment: value i is column 8 (i // 4) + 2 (lane % 4) + i % 2 of row lane / 4 + 8 ((i // 2) % 2)
+        assert acc_o.layout.shape[0] == (2, 2, D // 8) and acc_o.layout.stride[0] == (1, 2, 4)
+        vs_cols = None
+        if cutlass.const_expr(self.fp8):  # this thread's D / 4 columns' V scales, by 8-byte loads, once
+            vs_cols = []
+            for j in cutlass.range_constexpr(D // 8):
+                col = (b * num_kv_heads + h_kv) * D + 8 * j + 2 * (ctid % 4)
+                pair = cute.make_tensor(cute.make_ptr(Float32, v_scale_addr + Int64(col) * 4, gmem, assumed_align=8),
+                                        cute.make_layout(2)).load()
+                vs_cols += [pair[0], pair[1]]
         q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
         if cutlass.const_expr(tail_args is not None):
-            self._split_epilogue(acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, mVS, vs_base, ctid,
+            self._split_epilogue(acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, vs_cols, ctid,
                                  tail_args)
             q_end = cutlass.select_(tail_args[0] >= 0, 0, seqlen_q)
         for i in cutlass.range_constexpr(n_rows):
@@ -723,9 +728,7 @@ class QKInt8PrefillSm90:
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
             if ctid % 4 == 0 and r < q_end:
                 mLSE[r] = lse
-        # two adjacent columns per 32-bit store: values 2k and 2k + 1 of the wgmma accumulator fragment are
-        # columns c, c + 1 of one row (its first mode, (2 columns, 2 rows, D / 8 column groups))
-        assert acc_o.layout.shape[0][0] == 2 and acc_o.layout.stride[0][0] == 1
+        # two adjacent columns (values i, i + 1, i even) per 32-bit store
         mO2 = cute.make_tensor(cute.recast_ptr(mO.iterator, dtype=Uint32),
                                cute.make_layout((seqlen_q, D // 2), stride=(num_heads * D // 2, 1)))
         for i in cutlass.range_constexpr(0, cute.size(acc_o), 2):
@@ -734,12 +737,12 @@ class QKInt8PrefillSm90:
             inv0 = _of_row(inv_sum, r)
             inv1 = inv0
             if cutlass.const_expr(self.fp8):  # O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
-                inv0, inv1 = inv0 * mVS[vs_base + c], inv1 * mVS[vs_base + c + 1]
+                inv0, inv1 = inv0 * vs_cols[i // 4 * 2], inv1 * vs_cols[i // 4 * 2 + 1]
             if row < q_end:
                 mO2[row, c // 2] = f32x2_to_16x2(acc_o[i] * inv0, acc_o[i + 1] * inv1, self.v_dtype == BFloat16)
 
     @cute.jit
-    def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, mVS, vs_base, ctid,
+    def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, vs_cols, ctid,
                         tail_args):
         """``split_tail``, a CTA of a split unit: its normalized partial output and log2-domain LSE to the
         partial buffers; the last of the unit's CTAs to get here (an acq_rel counter per unit) merges all of
@@ -775,7 +778,7 @@ class QKInt8PrefillSm90:
                 r, c = tOcO[e]
                 o = acc_o[e] * _of_row(inv, r)
                 if cutlass.const_expr(self.fp8):
-                    o = o * mVS[vs_base + c]
+                    o = o * vs_cols[e // 4 * 2 + e % 2]
                 part_o[r, c, tail] = o
             # release this CTA's partials, then count it in; the CTA that completes the count acquires the others'
             cute.arch.fence_acq_rel_gpu()
