@@ -545,7 +545,8 @@ class QKInt8PrefillSm90:
             unit = num_full_units + tail // tail_splits
             split = tail % tail_splits
             ns = tail_splits
-        return unit % num_m_blocks, unit // num_m_blocks % num_heads, unit // (num_m_blocks * num_heads), tail, split, ns
+        m_block, h, b = unit % num_m_blocks, unit // num_m_blocks % num_heads, unit // (num_m_blocks * num_heads)
+        return m_block, h, b, tail, split, ns
 
     @cute.jit
     def _causal_position(self, num_heads: Int32, lpt_group: Int32):
@@ -699,7 +700,8 @@ class QKInt8PrefillSm90:
                                 cute.make_layout(seqlen_q))
         mLSE = cute.make_tensor(mLSE.iterator + lse_base, mLSE.layout)
         inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-        # The accumulator fragment: value i is column 8 (i // 4) + 2 (lane % 4) + i % 2 of row lane / 4 + 8 ((i // 2) % 2)
+        # The accumulator fragment: value i is column 8 (i // 4) + 2 (lane % 4) + i % 2 of row lane / 4 + 8 ((i // 2)
+        # % 2); values i, i + 1 (i even) are adjacent columns of one row
         assert acc_o.layout.shape[0] == (2, 2, D // 8) and acc_o.layout.stride[0] == (1, 2, 4)
         vs_cols = None
         if cutlass.const_expr(self.fp8):  # this thread's D / 4 columns' V scales, by 8-byte loads, once
@@ -728,29 +730,35 @@ class QKInt8PrefillSm90:
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
             if ctid % 4 == 0 and r < q_end:
                 mLSE[r] = lse
-        # two adjacent columns (values i, i + 1, i even) per 32-bit store
+        # FP8: O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
+        self._store_o(acc_o, tOcO, inv_sum, vs_cols, m_block, q_end, mO)
+
+    @cute.jit
+    def _store_o(self, acc_o, tOcO, inv_rows, vs_cols, m_block, row_end, mO):
+        """O rows < ``row_end`` of this thread's accumulator values times their row's ``inv_rows`` (and their
+        column's ``vs_cols``, if given) to ``mO`` in V's 16-bit dtype, two adjacent columns per 32-bit store."""
+        D = self.D
+        rows, row_stride = mO.layout.shape[0], mO.layout.stride[0]
         mO2 = cute.make_tensor(cute.recast_ptr(mO.iterator, dtype=Uint32),
-                               cute.make_layout((seqlen_q, D // 2), stride=(num_heads * D // 2, 1)))
+                               cute.make_layout((rows, D // 2), stride=(row_stride // 2, 1)))
         for i in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             r, c = tOcO[i]
-            row = m_block * TM + r
-            inv0 = _of_row(inv_sum, r)
-            inv1 = inv0
-            if cutlass.const_expr(self.fp8):  # O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
-                inv0, inv1 = inv0 * vs_cols[i // 4 * 2], inv1 * vs_cols[i // 4 * 2 + 1]
-            if row < q_end:
-                mO2[row, c // 2] = f32x2_to_16x2(acc_o[i] * inv0, acc_o[i + 1] * inv1, self.v_dtype == BFloat16)
+            row = m_block * self.cfg.tile_m + r
+            s0 = _of_row(inv_rows, r)
+            s1 = s0
+            if cutlass.const_expr(vs_cols is not None):
+                s0, s1 = s0 * vs_cols[i // 4 * 2], s1 * vs_cols[i // 4 * 2 + 1]
+            if row < row_end:
+                mO2[row, c // 2] = f32x2_to_16x2(acc_o[i] * s0, acc_o[i + 1] * s1, self.v_dtype == BFloat16)
 
     @cute.jit
     def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, vs_cols, ctid,
                         tail_args):
         """``split_tail``, a CTA of a split unit: its normalized partial output and log2-domain LSE to the
-        partial buffers; the last of the unit's CTAs to get here (an acq_rel counter per unit) merges all of
-        them, O = sum_s w_s O_s / sum_s w_s with w_s = exp2(LSE_s - max_s LSE_s), and writes the unit's O and
-        LSE. Whole-unit CTAs (tail -1) do nothing here."""
+        partial buffers, then ``_merge_splits``. Whole-unit CTAs (tail -1) do nothing here."""
         tail, ns, split_args, flag_ptr = tail_args
         num_full_units, part_addr, count_addr = split_args[0], split_args[2], split_args[3]
-        TM, D, vdt = self.cfg.tile_m, self.D, self.v_dtype
+        TM, D = self.cfg.tile_m, self.D
         gmem = cute.AddressSpace.gmem
         if tail >= 0:
             gx, _, _ = cute.arch.grid_dim()
@@ -759,74 +767,77 @@ class QKInt8PrefillSm90:
                                       cute.make_layout((TM, D, n_tail), stride=(D, 1, TM * D)))
             part_l = cute.make_tensor(cute.make_ptr(Float32, part_addr, gmem, assumed_align=16) + n_tail * TM * D,
                                       cute.make_layout((TM, n_tail), stride=(1, TM)))
-            n_rows = cute.size(row_max)
-            lse2 = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-            inv = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+            inv = cute.make_rmem_tensor(cute.make_layout(2), Float32)
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8 (wgmma accumulator layout)
-            for i in cutlass.range_constexpr(n_rows):
+            for i in cutlass.range_constexpr(2):
                 total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
                 inv[i] = 0.0
-                lse2[i] = -Float32.inf
+                lse2 = -Float32.inf
                 if total > 0.0:
                     inv[i] = 1.0 / total
-                    lse2[i] = row_max[i] + cute.math.log2(total, fastmath=True)
+                    lse2 = row_max[i] + cute.math.log2(total, fastmath=True)
                     if cutlass.const_expr(self.fp8):  # the row sum adds 448 * P
-                        lse2[i] = lse2[i] - Float32(P_FP8_LOG2_SCALE)
+                        lse2 = lse2 - Float32(P_FP8_LOG2_SCALE)
                 if ctid % 4 == 0:
-                    part_l[r0 + 8 * i, tail] = lse2[i]
+                    part_l[r0 + 8 * i, tail] = lse2
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 r, c = tOcO[e]
                 o = acc_o[e] * _of_row(inv, r)
                 if cutlass.const_expr(self.fp8):
                     o = o * vs_cols[e // 4 * 2 + e % 2]
                 part_o[r, c, tail] = o
-            # release this CTA's partials, then count it in; the CTA that completes the count acquires the others'
+            self._merge_splits(acc_o, tOcO, m_block, seqlen_q, mO, mLSE, ctid, tail // ns, ns, count_addr, flag_ptr,
+                               part_o, part_l)
+
+    @cute.jit
+    def _merge_splits(self, acc_o, tOcO, m_block, seqlen_q, mO, mLSE, ctid, unit, ns, count_addr, flag_ptr, part_o,
+                      part_l):
+        """Count this split CTA in (its partials written); the CTA that completes split unit ``unit``'s count of
+        ``ns`` merges the unit's partials, O = sum_s w_s O_s / sum_s w_s with w_s = exp2(LSE_s - max_s LSE_s), in
+        split order (the same sums whichever CTA merges), and writes the unit's O and LSE."""
+        TM = self.cfg.tile_m
+        r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8
+        # release this CTA's partials, then count it in; the CTA that completes the count acquires the others'
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
+        flag = cute.make_tensor(flag_ptr, cute.make_layout(4))
+        if ctid == 0:
+            count = cute.make_ptr(Int32, count_addr, cute.AddressSpace.gmem, assumed_align=4) + unit
+            old = cute.arch.atomic_add(count, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = cutlass.select_(old == ns - 1, Int32(1), Int32(0))
+        cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
+        if flag[0] != 0:
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
-            flag = cute.make_tensor(flag_ptr, cute.make_layout(4))
-            unit = tail // ns
-            if ctid == 0:
-                count = cute.make_ptr(Int32, count_addr, gmem, assumed_align=4) + unit
-                old = cute.arch.atomic_add(count, Int32(1), sem="acq_rel", scope="gpu")
-                flag[0] = cutlass.select_(old == ns - 1, Int32(1), Int32(0))
-            cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
-            if flag[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
-                first = unit * ns
-                m = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-                wsum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-                for i in cutlass.range_constexpr(n_rows):
-                    m[i] = -Float32.inf
-                    wsum[i] = 0.0
-                for sp in cutlass.range(ns, unroll=1):
-                    for i in cutlass.range_constexpr(n_rows):
-                        m[i] = cute.arch.fmax(m[i], part_l[r0 + 8 * i, first + sp])
-                for i in cutlass.range_constexpr(n_rows):
-                    if m[i] == -Float32.inf:  # no key in any split: weights exp2(-inf) = 0, not NaN
-                        m[i] = 0.0
-                acc_o.fill(0.0)
-                w = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
-                for sp in cutlass.range(ns, unroll=1):  # in split order: the same sums whichever CTA merges
-                    for i in cutlass.range_constexpr(n_rows):
-                        w[i] = cute.math.exp2(part_l[r0 + 8 * i, first + sp] - m[i], fastmath=True)
-                        wsum[i] = wsum[i] + w[i]
-                    for e in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, c = tOcO[e]
-                        acc_o[e] = acc_o[e] + _of_row(w, r) * part_o[r, c, first + sp]
-                for i in cutlass.range_constexpr(n_rows):
-                    inv[i] = 0.0
-                    lse = -Float32.inf
-                    if wsum[i] > 0.0:
-                        inv[i] = 1.0 / wsum[i]
-                        lse = (m[i] + cute.math.log2(wsum[i], fastmath=True)) * _LN2
-                    r = m_block * TM + r0 + 8 * i
-                    if ctid % 4 == 0 and r < seqlen_q:
-                        mLSE[r] = lse
+            first = unit * ns
+            m = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            wsum = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            w = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            for i in cutlass.range_constexpr(2):
+                m[i] = -Float32.inf
+                wsum[i] = 0.0
+            for sp in cutlass.range(ns, unroll=1):
+                for i in cutlass.range_constexpr(2):
+                    m[i] = cute.arch.fmax(m[i], part_l[r0 + 8 * i, first + sp])
+            for i in cutlass.range_constexpr(2):
+                if m[i] == -Float32.inf:  # no key in any split: weights exp2(-inf) = 0, not NaN
+                    m[i] = 0.0
+            acc_o.fill(0.0)
+            for sp in cutlass.range(ns, unroll=1):
+                for i in cutlass.range_constexpr(2):
+                    w[i] = cute.math.exp2(part_l[r0 + 8 * i, first + sp] - m[i], fastmath=True)
+                    wsum[i] = wsum[i] + w[i]
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = tOcO[e]
-                    row = m_block * TM + r
-                    if row < seqlen_q:
-                        mO[row, c] = (acc_o[e] * _of_row(inv, r)).to(vdt)
+                    acc_o[e] = acc_o[e] + _of_row(w, r) * part_o[r, c, first + sp]
+            for i in cutlass.range_constexpr(2):
+                lse = -Float32.inf
+                if wsum[i] > 0.0:
+                    lse = (m[i] + cute.math.log2(wsum[i], fastmath=True)) * _LN2
+                    wsum[i] = 1.0 / wsum[i]
+                r = m_block * TM + r0 + 8 * i
+                if ctid % 4 == 0 and r < seqlen_q:
+                    mLSE[r] = lse
+            self._store_o(acc_o, tOcO, wsum, None, m_block, seqlen_q, mO)
 
     # ----------------------------------------------------------------------------------------------
     @cute.jit
