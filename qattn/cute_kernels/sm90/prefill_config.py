@@ -116,7 +116,9 @@ def split_tail_plan(num_units: int, num_kv_tiles: int, num_sms: int) -> tuple:
 
     H100, kernel only, CUDA graph, B2 H16, 16-bit P x V, time split / whole units: D128 S8K (2 splits of 32
     tiles) 0.943, FP8 P x V 0.953, D64 0.960, FP8 0.988; S4K (3 of ~11) D128 0.940, FP8 0.957, D64 0.918. Short
-    splits lose (the constants above come from these): S2K 3 of ~5 tiles 1.196 (D64 1.189), S1K 2 of 4 1.125."""
+    splits lose (the constants above come from these): S2K 3 of ~5 tiles 1.196 (D64 1.189), S1K 2 of 4 1.125.
+    Fewer units than SMs (every unit split, D128): B1 H4 S2K 0.864, B1 H2 S4K 0.654 (FP8 0.663), B1 H1 S16K
+    (two waves of splits) 0.838, B1 H2 S8K (two waves) 0.995."""
     full_waves, rem = divmod(num_units, num_sms)
     whole = _CTA_TILES + num_kv_tiles
     best_s, best = 1, whole
