@@ -699,7 +699,7 @@ class QKInt8PrefillSm90:
         mLSE = cute.make_tensor(cute.make_ptr(Float32, lse_addr, gmem, assumed_align=4),
                                 cute.make_layout(seqlen_q))
         mLSE = cute.make_tensor(mLSE.iterator + lse_base, mLSE.layout)
-        inv_sum = cute.make_rmem_tensor(cute.make_layout(n_rows), Float32)
+        inv_sum, lse2 = self._row_totals(row_max, row_sum)
         # The accumulator fragment: value i is column 8 (i // 4) + 2 (lane % 4) + i % 2 of row lane / 4 + 8 ((i // 2)
         # % 2); values i, i + 1 (i even) are adjacent columns of one row
         assert acc_o.layout.shape[0] == (2, 2, D // 8) and acc_o.layout.stride[0] == (1, 2, 4)
@@ -713,25 +713,32 @@ class QKInt8PrefillSm90:
                 vs_cols += [pair[0], pair[1]]
         q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
         if cutlass.const_expr(tail_args is not None):
-            self._split_epilogue(acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, vs_cols, ctid,
-                                 tail_args)
+            self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args)
             q_end = cutlass.select_(tail_args[0] >= 0, 0, seqlen_q)
         for i in cutlass.range_constexpr(n_rows):
-            total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
-            inv_sum[i] = 0.0
-            lse = -Float32.inf
-            if total > 0.0:
-                inv_sum[i] = 1.0 / total
-                if cutlass.const_expr(self.fp8):  # the row sum adds 448 * P
-                    lse = (row_max[i] + cute.math.log2(total, fastmath=True) - Float32(P_FP8_LOG2_SCALE)) * _LN2
-                else:
-                    lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * _LN2
             # this thread's rows are lane/4 and lane/4 + 8 of its warp's 16 (wgmma accumulator layout)
             r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
             if ctid % 4 == 0 and r < q_end:
-                mLSE[r] = lse
+                mLSE[r] = lse2[i] * _LN2
         # FP8: O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
         self._store_o(acc_o, tOcO, inv_sum, vs_cols, m_block, q_end, mO)
+
+    @cute.jit
+    def _row_totals(self, row_max, row_sum):
+        """Per row of this thread: 1 / (row sum over the quad) and the log2-domain LSE (0 and -inf for a row that
+        saw no key). FP8 P x V: the row sum adds 448 * P, whose log2 comes off the LSE."""
+        inv = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        lse2 = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        for i in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
+            inv[i] = 0.0
+            lse2[i] = -Float32.inf
+            if total > 0.0:
+                inv[i] = 1.0 / total
+                lse2[i] = row_max[i] + cute.math.log2(total, fastmath=True)
+                if cutlass.const_expr(self.fp8):
+                    lse2[i] = lse2[i] - Float32(P_FP8_LOG2_SCALE)
+        return inv, lse2
 
     @cute.jit
     def _store_o(self, acc_o, tOcO, inv_rows, vs_cols, m_block, row_end, mO):
@@ -752,8 +759,7 @@ class QKInt8PrefillSm90:
                 mO2[row, c // 2] = f32x2_to_16x2(acc_o[i] * s0, acc_o[i + 1] * s1, self.v_dtype == BFloat16)
 
     @cute.jit
-    def _split_epilogue(self, acc_o, tOcO, row_max, row_sum, m_block, seqlen_q, mO, mLSE, vs_cols, ctid,
-                        tail_args):
+    def _split_epilogue(self, acc_o, tOcO, inv, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args):
         """``split_tail``, a CTA of a split unit: its normalized partial output and log2-domain LSE to the
         partial buffers, then ``_merge_splits``. Whole-unit CTAs (tail -1) do nothing here."""
         tail, ns, split_args, flag_ptr = tail_args
@@ -767,19 +773,10 @@ class QKInt8PrefillSm90:
                                       cute.make_layout((TM, D, n_tail), stride=(D, 1, TM * D)))
             part_l = cute.make_tensor(cute.make_ptr(Float32, part_addr, gmem, assumed_align=16) + n_tail * TM * D,
                                       cute.make_layout((TM, n_tail), stride=(1, TM)))
-            inv = cute.make_rmem_tensor(cute.make_layout(2), Float32)
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8 (wgmma accumulator layout)
-            for i in cutlass.range_constexpr(2):
-                total = cute.arch.warp_reduction(row_sum[i], lambda x, y: x + y, threads_in_group=4)
-                inv[i] = 0.0
-                lse2 = -Float32.inf
-                if total > 0.0:
-                    inv[i] = 1.0 / total
-                    lse2 = row_max[i] + cute.math.log2(total, fastmath=True)
-                    if cutlass.const_expr(self.fp8):  # the row sum adds 448 * P
-                        lse2 = lse2 - Float32(P_FP8_LOG2_SCALE)
-                if ctid % 4 == 0:
-                    part_l[r0 + 8 * i, tail] = lse2
+            if ctid % 4 == 0:
+                for i in cutlass.range_constexpr(2):
+                    part_l[r0 + 8 * i, tail] = lse2[i]
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 r, c = tOcO[e]
                 o = acc_o[e] * _of_row(inv, r)
