@@ -35,6 +35,9 @@ def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granula
     assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
     assert not ptx_has(ptx, "cvt.rn.f32.s32"), "int32 scores must be converted without I2F"
     assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+    # O leaves in 16-byte stores (8 columns of one row per lane after the quad transpose), two rows per thread;
+    # a second copy in the split tail's merge
+    assert ptx_count(ptx, r"st\.global\.v4\.b32") == 2 * (D // 32) * (2 if cfg.split_tail else 1)
 
 
 def test_config_key_separates_every_field():
@@ -311,3 +314,5 @@ def test_split_tail_config_and_ptx():
     for mma in ("wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8", "wgmma.mma_async"):
         assert ptx_count(split, mma) == ptx_count(whole, mma)
     assert not ptx_has(split, "ld.local") and not ptx_has(split, "st.local"), "local arrays"
+    # the merge stores O with the epilogue's 16-byte stores
+    assert ptx_count(split, r"st\.global\.v4\.b32") == 2 * ptx_count(whole, r"st\.global\.v4\.b32") == 16
