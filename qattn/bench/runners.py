@@ -15,7 +15,7 @@ from ..layouts import PagedKVCache, kv_formats
 from ..reference import attention_reference
 from . import peers as P
 from .metrics import DecodeShape, PrefillShape, attention_flops, decode_bytes, errors, insert_bytes
-from .timing import bench
+from .timing import bench, bench_interleaved
 
 DECODE_SHAPES = [DecodeShape(32, 8192, 32, 8, 128, 128), DecodeShape(8, 32768, 32, 8, 128, 128),
                  DecodeShape(128, 2048, 32, 8, 128, 128), DecodeShape(1, 131072, 32, 8, 128, 128),
@@ -222,28 +222,35 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         impls.append(("qattn int8-QK fp8-PV", (lambda q, k, v, causal: (
             lambda: ours(q, k, v, causal=causal, pv_dtype="fp8"))) if ours else None, "end-to-end"))
         impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_prepass if ours else None, "prepass"))
-        for name, mk, scope in impls:
+        # every implementation's output checked first, then all of them timed in turns (``bench_interleaved``),
+        # so that the GPU's clock drift over the run weighs on each alike
+        fns, errs, notes = {}, {}, {}
+        for i, (name, mk, scope) in enumerate(impls):
             ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
             if not ok:
-                rows.append(_row(sh.label, name, None, scope, None, note=note))
+                notes[i] = note
                 continue
-            fn = mk(q, k, v, sh.causal)
-            out = fn()
-            # the prepass in a CUDA graph: its GPU time (eager, the host's launch cost of two or three small
-            # kernels would dominate it, while in the end-to-end row that cost overlaps the GPU's work)
-            t = bench(fn, warmup=3, reps=reps, use_graph=scope == "prepass")
-            if scope == "prepass":  # no attention output, no FLOPs; its share of the end-to-end time
-                r = _row(sh.label, name, None, scope, t)
+            fns[i] = mk(q, k, v, sh.causal)
+            out = fns[i]()
+            if scope != "prepass":  # no attention output
+                errs[i] = errors(out[:1, :1024], ref) if ref is not None else None
+            del out
+        # the prepass in a CUDA graph: its GPU time (eager, the host's launch cost of two or three small kernels
+        # would dominate it, while in the end-to-end row that cost overlaps the GPU's work)
+        times = bench_interleaved(fns, reps=reps, graph_keys=[i for i in fns if impls[i][2] == "prepass"])
+        del fns
+        for i, (name, mk, scope) in enumerate(impls):
+            if i in notes:
+                rows.append(_row(sh.label, name, None, scope, None, note=notes[i]))
+            elif scope == "prepass":  # no FLOPs; its share of the end-to-end time
+                r = _row(sh.label, name, None, scope, times[i])
                 e2e = next((x for x in rows if x["config"] == sh.label and x["impl"] == name
                             and x["scope"] == "end-to-end" and x.get("median_us")), None)
                 if e2e is not None:
-                    r["note"] = f"GPU time (graph), {100 * t.median_us / e2e['median_us']:.1f}% of end-to-end"
+                    r["note"] = f"GPU time (graph), {100 * times[i].median_us / e2e['median_us']:.1f}% of end-to-end"
                 rows.append(r)
-                del fn, out
-                continue
-            err = errors(out[:1, :1024], ref) if ref is not None else None
-            rows.append(_row(sh.label, name, None, scope, t, flops=flops, err=err))
-            del fn, out
+            else:
+                rows.append(_row(sh.label, name, None, scope, times[i], flops=flops, err=errs[i]))
     if baseline:
         _speedups(rows, baseline, match_scope=False)
     return rows, baseline or "-"

@@ -28,16 +28,9 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmup: int = 10, reps: int = 30,
-          inner: int = 10, use_graph: bool = False) -> Timing:
-    """Time ``fn(*args)`` with CUDA events, rotating through ``arg_sets`` (several input sets, so that
-    repeated calls do not find their inputs in L2).
-
-    Each sample enqueues ``inner`` calls back to back between two events and divides by ``inner``: once the
-    GPU queue is full, host-side launch overhead (Python, argument checks) is hidden as long as it is shorter
-    than the kernel, as in a serving loop. A sample of one call would time the host instead. With
-    ``use_graph``, each call is captured once per arg set in a CUDA graph and replays are timed (what engines
-    do for decode steps; no launch overhead at all)."""
+def _prepared_calls(fn: Callable[..., object], arg_sets: Sequence[tuple], warmup: int,
+                    use_graph: bool) -> list[Callable[[], object]]:
+    """The calls a sample enqueues: ``fn`` on each arg set, warmed up, or (``use_graph``) CUDA-graph replays."""
     if not arg_sets:
         raise ValueError("arg_sets: need at least one argument tuple")
     calls: list[Callable[[], object]] = [lambda a=a: fn(*a) for a in arg_sets]
@@ -60,8 +53,13 @@ def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmu
         for c in calls:
             c()
     torch.cuda.synchronize()
+    return calls
+
+
+def _samples(calls: list[Callable[[], object]], reps: int, inner: int, first: int = 0) -> list[float]:
+    """``reps`` samples in µs per call, each ``inner`` calls between two CUDA events."""
     times = []
-    for i in range(reps):
+    for i in range(first, first + reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for j in range(inner):
@@ -69,7 +67,39 @@ def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmu
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / inner)
-    return Timing(statistics.median(times), _quantile(times, 0.1), _quantile(times, 0.9), reps)
+    return times
+
+
+def _timing(times: list[float]) -> Timing:
+    return Timing(statistics.median(times), _quantile(times, 0.1), _quantile(times, 0.9), len(times))
+
+
+def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmup: int = 10, reps: int = 30,
+          inner: int = 10, use_graph: bool = False) -> Timing:
+    """Time ``fn(*args)`` with CUDA events, rotating through ``arg_sets`` (several input sets, so that
+    repeated calls do not find their inputs in L2).
+
+    Each sample enqueues ``inner`` calls back to back between two events and divides by ``inner``: once the
+    GPU queue is full, host-side launch overhead (Python, argument checks) is hidden as long as it is shorter
+    than the kernel, as in a serving loop. A sample of one call would time the host instead. With
+    ``use_graph``, each call is captured once per arg set in a CUDA graph and replays are timed (what engines
+    do for decode steps; no launch overhead at all)."""
+    return _timing(_samples(_prepared_calls(fn, arg_sets, warmup, use_graph), reps, inner))
+
+
+def bench_interleaved(fns: dict, *, rounds: int = 4, reps: int = 20, warmup: int = 3, inner: int = 10,
+                      graph_keys: Sequence = ()) -> dict:
+    """``bench`` of several zero-argument callables, ``{key: fn}``, taken in turns: ``rounds`` rounds of
+    ``reps / rounds`` samples of each, so that a drift of the GPU's clock (it heats up over a long run) or of
+    its memory state weighs on every implementation alike instead of on whichever ran last. ``graph_keys``:
+    those timed as CUDA-graph replays. Returns ``{key: Timing}`` over all of a key's samples."""
+    calls = {k: _prepared_calls(f, ((),), warmup, k in graph_keys) for k, f in fns.items()}
+    per_round = max(1, -(-reps // rounds))
+    times: dict = {k: [] for k in fns}
+    for r in range(rounds):
+        for k, c in calls.items():
+            times[k] += _samples(c, per_round, inner, first=r * per_round)
+    return {k: _timing(t) for k, t in times.items()}
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

@@ -92,3 +92,31 @@ def test_insert_slot_orders():
     import pytest
     with pytest.raises(ValueError, match="order"):
         insert_slots(10, 16, 4, "sorted", g)
+
+
+def test_bench_interleaved_takes_turns(monkeypatch):
+    """Every key gets a share of samples in every round (a clock drift weighs on all alike), graph keys only as
+    graphs, and each key's Timing is over all of its samples."""
+    import qattn.bench.timing as T
+
+    prepared, order = {}, []
+
+    def fake_prepared(fn, arg_sets, warmup, use_graph):
+        prepared[fn()] = use_graph
+        return [fn]
+
+    monkeypatch.setattr(T, "_prepared_calls", fake_prepared)
+    value = {"a": 10.0, "b": 20.0, "c": 30.0}
+
+    def fake_samples(calls, reps, inner, first=0):
+        key = calls[0]()
+        order.append((key, first))
+        return [value[key] + first] * reps
+
+    monkeypatch.setattr(T, "_samples", fake_samples)
+    out = T.bench_interleaved({k: (lambda k=k: k) for k in "abc"}, rounds=3, reps=7, graph_keys=["c"])
+    assert prepared == {"a": False, "b": False, "c": True}
+    assert [k for k, _ in order] == list("abc") * 3  # turns, not one key after the other
+    assert [f for _, f in order] == [0, 0, 0, 3, 3, 3, 6, 6, 6]
+    assert {k: t.reps for k, t in out.items()} == {"a": 9, "b": 9, "c": 9}  # ceil(7 / 3) per round
+    assert out["a"].median_us == 13.0 and out["c"].p10_us == 30.0 and out["c"].p90_us == 36.0
