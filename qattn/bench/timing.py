@@ -4,6 +4,7 @@ and the two ceilings (device copy bandwidth, bf16 GEMM rate) measured in the sam
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -87,17 +88,36 @@ def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmu
     return _timing(_samples(_prepared_calls(fn, arg_sets, warmup, use_graph), reps, inner))
 
 
-def bench_interleaved(fns: dict, *, rounds: int = 4, reps: int = 20, warmup: int = 3, inner: int = 10,
-                      graph_keys: Sequence = ()) -> dict:
+def _settle(calls: list[Callable[[], object]], seconds: float) -> None:
+    """Run ``calls`` back to back for about ``seconds`` of wall time (untimed)."""
+    t0 = time.perf_counter()
+    i = 0
+    while True:
+        for _ in range(10):
+            calls[i % len(calls)]()
+            i += 1
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 >= seconds:
+            return
+
+
+def bench_interleaved(fns: dict, *, rounds: int = 2, reps: int = 20, warmup: int = 3, inner: int = 10,
+                      settle_s: float = 0.3, graph_keys: Sequence = ()) -> dict:
     """``bench`` of several zero-argument callables, ``{key: fn}``, taken in turns: ``rounds`` rounds of
-    ``reps / rounds`` samples of each, so that a drift of the GPU's clock (it heats up over a long run) or of
-    its memory state weighs on every implementation alike instead of on whichever ran last. ``graph_keys``:
-    those timed as CUDA-graph replays. Returns ``{key: Timing}`` over all of a key's samples."""
+    ``reps / rounds`` samples of each, every turn after ``settle_s`` seconds of untimed calls of that callable.
+
+    Why the settling: under sustained load an H100 runs at its power limit (700 W), and its SM clock follows the
+    power the running kernels draw with a delay of a fraction of a second (measured, B2 H16 D128 S8K, 6 s of
+    back-to-back calls each: FA4 ~1510 MHz, the INT8-QK kernel ~1630 MHz, both at ~698 W). Samples taken right
+    after another implementation ran would measure this one at that one's clock. Taking turns spreads a slow
+    drift (temperature) over all of them. ``graph_keys``: those timed as CUDA-graph replays. Returns
+    ``{key: Timing}`` over all of a key's samples."""
     calls = {k: _prepared_calls(f, ((),), warmup, k in graph_keys) for k, f in fns.items()}
     per_round = max(1, -(-reps // rounds))
     times: dict = {k: [] for k in fns}
     for r in range(rounds):
         for k, c in calls.items():
+            _settle(c, settle_s)
             times[k] += _samples(c, per_round, inner, first=r * per_round)
     return {k: _timing(t) for k, t in times.items()}
 

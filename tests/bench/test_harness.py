@@ -114,9 +114,12 @@ def test_bench_interleaved_takes_turns(monkeypatch):
         return [value[key] + first] * reps
 
     monkeypatch.setattr(T, "_samples", fake_samples)
+    settled = []
+    monkeypatch.setattr(T, "_settle", lambda calls, seconds: settled.append((calls[0](), seconds)))
     out = T.bench_interleaved({k: (lambda k=k: k) for k in "abc"}, rounds=3, reps=7, graph_keys=["c"])
     assert prepared == {"a": False, "b": False, "c": True}
     assert [k for k, _ in order] == list("abc") * 3  # turns, not one key after the other
+    assert settled == [(k, 0.3) for k in "abc"] * 3  # every turn settles first
     assert [f for _, f in order] == [0, 0, 0, 3, 3, 3, 6, 6, 6]
     assert {k: t.reps for k, t in out.items()} == {"a": 9, "b": 9, "c": 9}  # ceil(7 / 3) per round
     assert out["a"].median_us == 13.0 and out["c"].p10_us == 30.0 and out["c"].p90_us == 36.0
