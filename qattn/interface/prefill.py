@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, WARP_Q, PrefillConfig, lpt_group,
-                                               split_tail_plan)
+from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LONG_CAUSAL_KEYS, WARP_Q, PrefillConfig,
+                                               lpt_group, seqlen_tile_m, split_tail_plan)
 from .fast_launch import fast, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
@@ -265,9 +265,11 @@ def prefill_int8(
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
+    tuning = dict(_tuning or {})  # _tuning: A/B overrides
+    if "tile_m" not in tuning and seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk) is not None:
+        tuning["tile_m"] = seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk)
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
-                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
-                  **(_tuning or {}))  # _tuning: A/B overrides
+                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, **tuning)
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
@@ -604,12 +606,18 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
                                             pv_dtype=pv, quantize_q=gran == "per_warp")  # _kernel_quantizes_q
                         label = (f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"
                                  f"{' pv-fp8' if pv == 'fp8' else ''}")
-                        out.append(Variant("prefill", (arch,) + cfg.key, label,
-                                           lambda cfg=cfg: _build_prefill(cfg, arch)))
-                        if balance_qk and gran == "per_warp":
-                            cfg = dataclasses.replace(cfg, balance_qk=True)
-                            out.append(Variant("prefill", (arch,) + cfg.key, label + " balance_qk",
+                        cfgs = [(cfg, label)]
+                        long_tm = None if varlen else seqlen_tile_m(d, gran, pv, causal, "int8", LONG_CAUSAL_KEYS)
+                        if long_tm is not None:  # what prefill_int8 picks for long dense causal grids
+                            cfgs.append((dataclasses.replace(cfg, tile_m=long_tm, intra_wg_overlap=None),
+                                         label + f" tile_m {long_tm} (from {LONG_CAUSAL_KEYS} keys)"))
+                        for cfg, label in cfgs:
+                            out.append(Variant("prefill", (arch,) + cfg.key, label,
                                                lambda cfg=cfg: _build_prefill(cfg, arch)))
+                            if balance_qk and gran == "per_warp":
+                                cfg = dataclasses.replace(cfg, balance_qk=True)
+                                out.append(Variant("prefill", (arch,) + cfg.key, label + " balance_qk",
+                                                   lambda cfg=cfg: _build_prefill(cfg, arch)))
                 for varlen in (False, True):  # qk_quant=None, the unquantized A/B path
                     cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity="per_block",
                                         varlen=varlen, qk_dtype="bf16")

@@ -92,6 +92,26 @@ def test_three_mma_warpgroups_where_they_pay(causal):
     assert cfg(128, tile_m=128).key != cfg(128, tile_m=128, intra_wg_overlap=False).key
 
 
+def test_long_causal_grids_take_192_rows():
+    """Dense causal head_dim 128 with int8 QK (per_warp) and 16-bit P.V: 192-row tiles from LONG_CAUSAL_KEYS keys
+    (``seqlen_tile_m``), and qattn-warmup compiles that variant with the key prefill_int8 asks for."""
+    from qattn.cute_kernels.sm90.prefill_config import LONG_CAUSAL_KEYS, seqlen_tile_m
+    from qattn.interface.prefill import _prefill_variants
+
+    long = LONG_CAUSAL_KEYS
+    assert seqlen_tile_m(128, "per_warp", "bf16", True, "int8", long) == 192
+    assert seqlen_tile_m(128, "per_warp", "bf16", True, "int8", long - 1) is None
+    for args in [(128, "per_warp", "bf16", False, "int8"), (64, "per_warp", "bf16", True, "int8"),
+                 (128, "per_block", "bf16", True, "int8"), (128, "per_warp", "fp8", True, "int8"),
+                 (128, "per_warp", "bf16", True, "bf16")]:
+        assert seqlen_tile_m(*args, 4 * long) is None, args  # already 192 rows, or not allowed
+    keys = {v.key for v in _prefill_variants("sm_90a", head_dims=[128], q_dtypes=["bf16"], balance_qk=True)}
+    for bal in (False, True):
+        want = PrefillConfig(head_dim=128, v_dtype="bf16", causal=True, granularity="per_warp", quantize_q=True,
+                             balance_qk=bal, tile_m=192)
+        assert ("sm_90a",) + want.key in keys and not want.intra_wg_overlap
+
+
 def test_serial_loop_keeps_the_mma_order():
     """intra_wg_overlap=False: per tile, one turn issues P V(n-1), waits for all of it (wait_group 0, never 1)
     and refills the score registers before QK^T(n); the same wgmmas as the overlapped loop."""

@@ -370,6 +370,25 @@ def test_serial_loop_gives_identical_outputs(D, pv_dtype, causal):
             assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1])
 
 
+def test_long_causal_grids_pick_192_rows(monkeypatch):
+    """prefill_int8 asks for 192-row tiles on dense causal grids from LONG_CAUSAL_KEYS keys (D128, 16-bit P.V,
+    per_warp), 128 below; the outputs equal those of the 128-row kernel bit for bit."""
+    import qattn.interface.prefill as P
+    from qattn.cute_kernels.sm90.prefill_config import LONG_CAUSAL_KEYS
+
+    seen = []
+    launch = P._launch
+    monkeypatch.setattr(P, "_launch", lambda cfg, *a, **k: (seen.append(cfg.tile_m), launch(cfg, *a, **k))[1])
+    for sk, tile in ((LONG_CAUSAL_KEYS, 192), (LONG_CAUSAL_KEYS - 128, 128)):
+        q, q8, qs, k8, ks, v, kw = _ab_inputs(300, sk, 128, "bf16", True, seed=sk)
+        for qq, ss in ((q, None), (q8, qs)):
+            seen.clear()
+            o = P.prefill_int8(qq, ss, k8, ks, v, **kw)
+            ref = P.prefill_int8(qq, ss, k8, ks, v, **kw, _tuning={"tile_m": 128})
+            assert seen == [tile, 128]
+            assert torch.isfinite(o[0]).all() and torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1])
+
+
 @pytest.mark.parametrize("sms", [5, 7])
 @pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8"), (64, "fp8")])
 def test_split_tail_matches_whole_units(monkeypatch, D, pv_dtype, sms):

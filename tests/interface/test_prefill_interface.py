@@ -67,7 +67,12 @@ def test_warmup_lists_the_runtime_prefill_keys():
     from qattn.interface.variants import enumerate_variants
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
-    assert len(keys) == 2 * 2 * 2 * (2 * 3 + 2)
+    # head_dim x V dtype x causal x (granularity x (dense, varlen, dense fp8 P.V) + unquantized dense / varlen),
+    # plus the 192-row tile of long dense causal grids at head_dim 128 (per_warp, 16-bit P.V), per V dtype
+    assert len(keys) == 2 * 2 * 2 * (2 * 3 + 2) + 2
+    for vd in ("bf16", "fp16"):
+        assert ("sm_90a",) + PrefillConfig(head_dim=128, v_dtype=vd, causal=True, granularity="per_warp",
+                                           quantize_q=True, tile_m=192).key in keys
     for causal in (False, True):  # what flash_attn_func / flash_attn_varlen_func build at run time
         for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):
             for gran in ("per_warp", "per_block"):  # per_warp: Q quantized in the kernel

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LPT_GROUP_KV_BYTES",
-           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "split_tail_plan"]
+__all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LONG_CAUSAL_KEYS", "LPT_GROUP_KV_BYTES",
+           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "seqlen_tile_m", "split_tail_plan"]
 
 BLOCK_Q = 128
 WARP_Q = 16
@@ -43,12 +43,32 @@ def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16", caus
     the overlap, interleaved A/B, three runs: 16-bit P x V S8K 0.981 / 0.981 / 0.961, S16K 0.926 / 0.928 / 0.921,
     S4K 1.004 / 0.999, S2K 1.003 / 1.005; FP8 P x V S8K 0.936 / 0.933, causal 0.903 / 0.889, S16K 0.907, causal
     0.939, S2K 0.978, causal 0.955. Causal 16-bit P x V stays at
-    128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025). Everything else: 128."""
+    128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025), except for long dense grids, where the
+    interface asks for 192 (``seqlen_tile_m``). Everything else: 128."""
     if granularity != "per_warp":
         return BLOCK_Q
     if head_dim == 64 or (qk_dtype == "int8" and (pv_dtype == "fp8" or not causal)):
         return 3 * 64
     return BLOCK_Q
+
+
+# dense causal grids at head_dim 128 with int8 Q K^T (per_warp q scales) and 16-bit P x V: from this many keys,
+# 192-row tiles (``seqlen_tile_m``)
+LONG_CAUSAL_KEYS = 8192
+
+
+def seqlen_tile_m(head_dim: int, granularity: str, pv_dtype: str, causal: bool, qk_dtype: str,
+                  seqlen_k: int) -> Optional[int]:
+    """Dense grids: a query tile that depends on the key length, or None (``default_tile_m``, which has no length
+    to go by). Causal, head_dim 128, int8 Q K^T with per_warp q scales, 16-bit P x V (``default_tile_m``: 128
+    rows): 192 rows (three MMA warpgroups, serial loop) from ``LONG_CAUSAL_KEYS`` keys. H100, kernel only, B2 H16,
+    each variant timed after 0.3 s of its own calls (the GPU at its power limit, ``bench_interleaved``), outputs
+    bit-identical, 192 / 128 rows with prepass / in-kernel Q: S16K 0.966 / 0.971, S8K 0.970 / 0.974, S4K 1.012 /
+    1.001, S2K 1.018 / 1.031."""
+    if (causal and head_dim == 128 and granularity == "per_warp" and pv_dtype == "bf16" and qk_dtype == "int8"
+            and seqlen_k >= LONG_CAUSAL_KEYS):
+        return 3 * 64
+    return None
 
 
 def default_intra_wg_overlap(head_dim: int, tile_m: int) -> bool:
