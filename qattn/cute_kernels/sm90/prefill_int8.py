@@ -73,7 +73,8 @@ interleaved A/B vs 128 rows with the overlap, outputs bit-identical: D128 S8K 0.
 left them and Q K^T accumulates onto them, so no integer add per score converts the int32 scores
 (``_bias_scores``, ``_scores``).
 
-Limits: outputs stored straight from registers (no smem/TMA epilogue), non-persistent grid. Measured
+Limits: outputs stored straight from registers (16-byte stores after a quad transpose, ``_store_o``; no
+smem/TMA epilogue), non-persistent grid (a persistent variant, tried, slowed the loop: docs/results). Measured
 on an H100 (D128 S8K): Nsight Compute has the shared (tensor) pipe ~56 % busy, and the kernel's TFLOP/s are ~52 %
 of what the int8 + bf16 MMA peak rates allow, against ~67 % of the bf16 peak for FA4's kernel, so the int8
 Q K^T's 2x rate shows up only as parity with FA4 (docs/results).
