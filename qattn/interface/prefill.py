@@ -265,9 +265,10 @@ def prefill_int8(
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
-    tuning = dict(_tuning or {})  # _tuning: A/B overrides
-    if "tile_m" not in tuning and seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk) is not None:
-        tuning["tile_m"] = seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk)
+    tuning = _tuning or {}  # _tuning: A/B overrides
+    long_tile = seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk)
+    if long_tile is not None and "tile_m" not in tuning:
+        tuning = {**tuning, "tile_m": long_tile}
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
                   pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, **tuning)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LONG_CAUSAL_KEYS", "LPT_GROUP_KV_BYTES",
-           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "seqlen_tile_m", "split_tail_plan"]
+           "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "seqlen_tile_m",
+           "split_tail_plan"]
 
 BLOCK_Q = 128
 WARP_Q = 16

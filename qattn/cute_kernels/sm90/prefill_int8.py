@@ -193,14 +193,10 @@ def _st_global_v4(addr, a, b, c, d, *, loc=None, ip=None) -> None:
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-@cute.jit
-def _of_row(vals, r):
-    """``vals[i]`` of accumulator row ``r`` (tile coordinates): a thread's rows are lane/4 (i = 0) and lane/4 + 8
-    (i = 1) of its warp's 16. A select, not an index: a runtime index would put ``vals`` in local memory."""
-    v = vals[0]
-    if (r % 16) >= 8:
-        v = vals[1]
-    return v
+def _first_row(ctid):
+    """The first of this MMA thread's two rows in the tile, r0 (the other is r0 + 8): rows lane / 4 and lane / 4 + 8
+    of its warp's 16 (wgmma accumulator layout); accumulator value e belongs to row r0 + 8 ((e // 2) % 2)."""
+    return (ctid // 32) * 16 + (ctid % 32) // 4
 
 
 def _tree(vals: list, op, arity: int = 2):
@@ -725,8 +721,7 @@ class QKInt8PrefillSm90:
             self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args)
             q_end = cutlass.select_(tail_args[0] >= 0, 0, seqlen_q)
         for i in cutlass.range_constexpr(n_rows):
-            # this thread's rows are lane/4 and lane/4 + 8 of its warp's 16 (wgmma accumulator layout)
-            r = m_block * TM + (ctid // 32) * 16 + (ctid % 32) // 4 + 8 * i
+            r = m_block * TM + _first_row(ctid) + 8 * i
             if ctid % 4 == 0 and r < q_end:
                 mLSE[r] = lse2[i] * _LN2
         # FP8: O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
@@ -802,13 +797,13 @@ class QKInt8PrefillSm90:
                                       cute.make_layout((TM, D, n_tail), stride=(D, 1, TM * D)))
             part_l = cute.make_tensor(cute.make_ptr(Float32, part_addr, gmem, assumed_align=16) + n_tail * TM * D,
                                       cute.make_layout((TM, n_tail), stride=(1, TM)))
-            r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8 (wgmma accumulator layout)
+            r0 = _first_row(ctid)
             if ctid % 4 == 0:
                 for i in cutlass.range_constexpr(2):
                     part_l[r0 + 8 * i, tail] = lse2[i]
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 r, c = tOcO[e]
-                o = acc_o[e] * _of_row(inv, r)
+                o = acc_o[e] * inv[(e // 2) % 2]
                 if cutlass.const_expr(self.fp8):
                     o = o * vs_cols[e // 4 * 2 + e % 2]
                 part_o[r, c, tail] = o
@@ -822,7 +817,7 @@ class QKInt8PrefillSm90:
         ``ns`` merges the unit's partials, O = sum_s w_s O_s / sum_s w_s with w_s = exp2(LSE_s - max_s LSE_s), in
         split order (the same sums whichever CTA merges), and writes the unit's O and LSE."""
         TM = self.cfg.tile_m
-        r0 = (ctid // 32) * 16 + (ctid % 32) // 4  # this thread's rows: r0, r0 + 8
+        r0 = _first_row(ctid)
         # release this CTA's partials, then count it in; the CTA that completes the count acquires the others'
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=1 + 2 * self.nw, number_of_threads=128 * self.nw)
@@ -854,7 +849,7 @@ class QKInt8PrefillSm90:
                     wsum[i] = wsum[i] + w[i]
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = tOcO[e]
-                    acc_o[e] = acc_o[e] + _of_row(w, r) * part_o[r, c, first + sp]
+                    acc_o[e] = acc_o[e] + w[(e // 2) % 2] * part_o[r, c, first + sp]
             for i in cutlass.range_constexpr(2):
                 lse = -Float32.inf
                 if wsum[i] > 0.0:
