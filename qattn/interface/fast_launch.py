@@ -4,15 +4,18 @@ Every qattn kernel takes raw device addresses (Int64), sizes (Int32), scalars (F
 that one compiled object serves any tensor (and can be exported to disk). Calling the compiled function the
 normal way (``fn(Int64(a), ...)``) converts each argument through the DSL's typed wrappers: ~70-100 µs of
 Python per launch in CuTe-DSL 4.8, more than a decode step's kernel. :class:`FastLaunch` packs the same C ABI
-itself: one preallocated ctypes slot per argument (thread-local), the addresses of those slots handed to the
-DSL's executor (``run_compiled_program``, which keeps its CUDA error check). The argument C types come from the
-compiled function's own signature, so a kernel whose signature changes cannot be called with a stale layout.
+itself: one preallocated buffer of 8-byte argument slots per thread, filled by one ``struct.pack_into``, whose
+slot addresses the DSL's executor packed once; a call then goes straight to the compiled host function and checks
+its CUDA result (what ``run_compiled_program`` does per call, minus re-packing the same addresses). The argument
+C types come from the compiled function's own signature, so a kernel whose signature changes cannot be called
+with a stale layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 import threading
 from typing import Any
 
@@ -32,32 +35,59 @@ def _ctype_of(annotation) -> type:
     return table[annotation]
 
 
+# one 8-byte little-endian slot per argument: the C ABI reads an int32 / float from the slot's first bytes
+_SLOT_FORMAT = {ctypes.c_int64: "q", ctypes.c_int32: "i4x", ctypes.c_float: "f4x", ctypes.c_void_p: "Q"}
+_pack_into = struct.pack_into
+
+
 class FastLaunch:
     """Call ``fn`` (a compiled CuTe-DSL function) with plain Python ints / floats; pointers (``cute.Pointer``
-    arguments) as int addresses, the stream as an int handle."""
+    arguments) as int addresses, the stream as an int handle.
+
+    Per thread, the arguments live in one buffer of 8-byte slots filled by a single ``struct.pack_into``, and the
+    executor's packed argument array (the slots' addresses, its CUDA result slot and kernel pointers, all
+    constant) is built once; a call packs the values and calls the compiled host function, then checks its CUDA
+    result as ``run_compiled_program`` does."""
 
     def __init__(self, fn: Any):
         self._fn = fn
         self._ctypes = [_ctype_of(p.annotation) for p in fn.execution_args.signature.parameters.values()]
+        self._format = "<" + "".join(_SLOT_FORMAT[t] for t in self._ctypes)
         self._executor = None
         self._lock = threading.Lock()
         self._tls = threading.local()
 
-    def __call__(self, *values) -> None:
-        if len(values) != len(self._ctypes):
-            raise TypeError(f"FastLaunch: expected {len(self._ctypes)} arguments, got {len(values)}")
-        tls = self._tls
-        slots = getattr(tls, "slots", None)
-        if slots is None:
-            slots = tls.slots = [t() for t in self._ctypes]
-            tls.ptrs = [ctypes.c_void_p(ctypes.addressof(s)) for s in slots]
-        for slot, v in zip(slots, values):
-            slot.value = v
+    def _thread_state(self):
         if self._executor is None:
             with self._lock:
                 if self._executor is None:
                     self._executor = self._fn.to()  # loads the CUDA library on every device, once
-        self._executor.run_compiled_program(tls.ptrs)
+        ex = self._executor
+        buf = ctypes.create_string_buffer(8 * max(len(self._ctypes), 1))
+        base = ctypes.addressof(buf)
+        ptrs = [ctypes.c_void_p(base + 8 * i) for i in range(len(self._ctypes))]
+        # the executor's own packing of those (constant) addresses, kept: a call only rewrites the slots
+        packed = ex._get_invoke_packed_args_func(ptrs)
+        state = (buf, packed, ex.capi_func, ex.cuda_result if ex._has_cuda_result else None)
+        self._tls.state = state
+        return state
+
+    def __call__(self, *values) -> None:
+        if len(values) != len(self._ctypes):
+            raise TypeError(f"FastLaunch: expected {len(self._ctypes)} arguments, got {len(values)}")
+        state = getattr(self._tls, "state", None)
+        if state is None:
+            state = self._thread_state()
+        buf, packed, capi, result = state
+        try:
+            _pack_into(self._format, buf, 0, *values)
+        except struct.error as e:
+            raise TypeError(f"FastLaunch: {e} (arguments {values})") from None
+        capi(packed)
+        if result is not None and result.value != 0:
+            from cutlass.base_dsl.jit_executor import cuda_helpers
+
+            raise cuda_helpers.create_cuda_runtime_error(result.value, cuda_helpers.cudart.cudaError_t)
 
 
 _FAST: dict[int, FastLaunch] = {}
@@ -91,6 +121,8 @@ def on_device(device):
     switch and switch back cost ~3 µs per launch sequence)."""
     import torch
 
-    if isinstance(device, torch.device) and device.index is not None and device.index == torch.cuda.current_device():
+    # the raw getter skips torch.cuda.current_device()'s lazy-init checks (~1 µs): a CUDA tensor exists already
+    current = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    if isinstance(device, torch.device) and device.index is not None and device.index == current():
         return _SAME
     return torch.cuda.device(device)
