@@ -676,24 +676,41 @@ class QKInt8PrefillSm90:
             self._store_p(s, acc_s.layout, p_lo, tOrP)
             if cutlass.const_expr(cfg.intra_wg_overlap):  # serial: filled once P V(n-1) is done with P
                 self._bias_scores(acc_s, bias_addr)
+        # Causal: the K/V tiles this warpgroup's 64 rows see (the CTA's n_blocks are its last rows'); the tiles
+        # past them are masked for all of its rows, so it only keeps the turn order and releases them (below).
+        # The same scores, sums and O as computing them (exp2(-inf) = 0 adds nothing).
+        n_mine = n_blocks
+        if cutlass.const_expr(cfg.causal):
+            # (wg through make_warp_uniform: n_mine bounds the loop, which stays a uniform branch)
+            wg_end = cutlass.min(seqlen_k, m_block * TM + 64 * cute.arch.make_warp_uniform(wg) + 64 + diag)
+            n_mine = cutlass.min(n_blocks, cutlass.max(cutlass.max(wg_end, 0) + TN - 1, TN) // TN)
         tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe,
-                     tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr,
+                     tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr,
                      wg, bias_addr)
-        for n in cutlass.range(1, n_blocks, unroll=1):
+        for n in cutlass.range(1, n_mine, unroll=1):
             if cutlass.const_expr(cfg.intra_wg_overlap):
                 k_tok, v_tok = self._tile(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
             else:
                 k_tok, v_tok = self._tile_serial(n, p_lo, tOrP, k_tok, v_tok, *tile_args)
-        if n_blocks > 0:
-            st = _consumer_state(n_blocks - 1, cfg.kv_stages)
-            self._my_turn(wg)
-            self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
-            if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
+        if n_mine > 0:  # the last P V this warpgroup issues (its turn of tile n_mine, or the tail's)
+            self._last_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, _consumer_state(n_mine - 1, cfg.kv_stages),
+                          v_tok, wg)
+        if cutlass.const_expr(cfg.causal):
+            # the turns of the skipped tiles (and the tail's): no MMA, their K and V released once landed (a
+            # release before the producer refilled the stage would count towards the stage's previous use);
+            # never the last warpgroup, which sees every tile. The CTA's tile count is recomputed from values the
+            # loop keeps anyway (m_block, seqlen_k, diag), so that the loop carries n_mine only (one more register
+            # across it made ptxas spill inside it); n_mine = 0: no tile at all (nor here)
+            cta_end = cutlass.min(seqlen_k, m_block * TM + TM + diag)
+            n_all = cutlass.select_(n_mine > 0, cutlass.max(cta_end + TN - 1, 0) // TN, 0)
+            for n in cutlass.range(n_mine, n_all, unroll=1):
+                st = _consumer_state(n, cfg.kv_stages)
+                k_pipe.consumer_wait(st)
+                k_pipe.consumer_release(st)
+                self._my_turn(wg)
                 self._turn_done(self._next_wg(wg))
-            warpgroup.wait_group(0)
-            v_pipe.consumer_release(st)
-            if cutlass.const_expr(self.fp8):
-                acc_o.store(acc_o.load() + acc_t.load())
+                v_pipe.consumer_wait(st)
+                v_pipe.consumer_release(st)
 
         # ---- epilogue: normalise, store O (bf16/fp16) and the natural-log LSE of valid rows
         mO = cute.make_tensor(cute.make_ptr(vdt, o_addr, gmem, assumed_align=16),
@@ -897,6 +914,18 @@ class QKInt8PrefillSm90:
         self._store_p(s, acc_s.layout, p_lo, tOrP)
         self._bias_scores(acc_s, bias_addr)
         return k_tok, v_tok
+
+    @cute.jit
+    def _last_pv(self, mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok, wg):
+        """The last turn: P V of the last tile."""
+        self._my_turn(wg)
+        self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
+        if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
+            self._turn_done(self._next_wg(wg))
+        warpgroup.wait_group(0)
+        v_pipe.consumer_release(st)
+        if cutlass.const_expr(self.fp8):
+            acc_o.store(acc_o.load() + acc_t.load())
 
     @cute.jit
     def _tile_softmax(self, n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k, diag,
