@@ -44,8 +44,8 @@ def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16", caus
     the overlap, interleaved A/B, three runs: 16-bit P x V S8K 0.981 / 0.981 / 0.961, S16K 0.926 / 0.928 / 0.921,
     S4K 1.004 / 0.999, S2K 1.003 / 1.005; FP8 P x V S8K 0.936 / 0.933, causal 0.903 / 0.889, S16K 0.907, causal
     0.939, S2K 0.978, causal 0.955. Causal 16-bit P x V stays at
-    128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025), except for long dense grids, where the
-    interface asks for 192 (``seqlen_tile_m``). Everything else: 128."""
+    128 (S8K 0.986 / 1.044 / 1.020, S16K 0.969, S4K 1.000, S2K 1.025), except for dense grids of 3072 keys or
+    more, where the interface asks for 192 (``seqlen_tile_m``). Everything else: 128."""
     if granularity != "per_warp":
         return BLOCK_Q
     if head_dim == 64 or (qk_dtype == "int8" and (pv_dtype == "fp8" or not causal)):
@@ -55,17 +55,19 @@ def default_tile_m(head_dim: int, granularity: str, pv_dtype: str = "bf16", caus
 
 # dense causal grids at head_dim 128 with int8 Q K^T (per_warp q scales) and 16-bit P x V: from this many keys,
 # 192-row tiles (``seqlen_tile_m``)
-LONG_CAUSAL_KEYS = 8192
+LONG_CAUSAL_KEYS = 3072
 
 
 def seqlen_tile_m(head_dim: int, granularity: str, pv_dtype: str, causal: bool, qk_dtype: str,
                   seqlen_k: int) -> Optional[int]:
     """Dense grids: a query tile that depends on the key length, or None (``default_tile_m``, which has no length
     to go by). Causal, head_dim 128, int8 Q K^T with per_warp q scales, 16-bit P x V (``default_tile_m``: 128
-    rows): 192 rows (three MMA warpgroups, serial loop) from ``LONG_CAUSAL_KEYS`` keys. H100, kernel only, B2 H16,
-    each variant timed after 0.3 s of its own calls (the GPU at its power limit, ``bench_interleaved``), outputs
-    bit-identical, 192 / 128 rows with prepass / in-kernel Q: S16K 0.966 / 0.971, S8K 0.970 / 0.974, S4K 1.012 /
-    1.001, S2K 1.018 / 1.031."""
+    rows): 192 rows (three MMA warpgroups, serial loop) from ``LONG_CAUSAL_KEYS`` keys. H100, B2 H16, kernel
+    only, each variant timed after 0.3 s of its own calls (the GPU at its power limit, ``bench_interleaved``),
+    outputs bit-identical, time 192 / 128 rows with in-kernel / prepass Q, since a warpgroup skips the K/V tiles
+    masked for all of its rows (which 192-row tiles have more of): S8K 0.967 / 0.948, S4K 0.980 / 0.984, S3K
+    0.954 / 0.927, S2K 1.011 / 1.013 (B8: 0.977 / 0.982), S1K 1.18 / 1.15; B4 S4K 0.986 / 0.996. Before the skip:
+    S16K 0.966 / 0.971, S8K 0.970 / 0.974, S4K 1.012 / 1.001, S2K 1.018 / 1.031."""
     if (causal and head_dim == 128 and granularity == "per_warp" and pv_dtype == "bf16" and qk_dtype == "int8"
             and seqlen_k >= LONG_CAUSAL_KEYS):
         return 3 * 64
