@@ -389,6 +389,22 @@ def test_long_causal_grids_pick_192_rows(monkeypatch):
             assert torch.isfinite(o[0]).all() and torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1])
 
 
+@pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8")])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (3100, 3100), (700, 2000), (2000, 700)])
+def test_causal_warpgroup_skip_matches_128_rows(D, pv_dtype, sq, sk):
+    """Causal 192-row CTAs: a warpgroup computes only the K/V tiles its own 64 rows see and skips the rest of the
+    CTA's (masked for all of its rows); outputs and LSE equal those of 128-row CTAs (two warpgroups, whose
+    tiles differ) bit for bit: diagonals at every offset within a tile (Sq = Sk, Sq < Sk, Sq > Sk with rows that
+    see no key), in-kernel and prepass Q."""
+    from qattn.interface.prefill import prefill_int8
+
+    q, q8, qs, k8, ks, v, kw = _ab_inputs(sq, sk, D, pv_dtype, True, seed=sq + sk + D)
+    for qq, ss in ((q, None), (q8, qs)):
+        outs = [prefill_int8(qq, ss, k8, ks, v, **kw, _tuning={"tile_m": tm}) for tm in (192, 128)]
+        assert torch.isfinite(outs[0][0]).all()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("sms", [5, 7])
 @pytest.mark.parametrize("D,pv_dtype", [(128, "bf16"), (64, "bf16"), (128, "fp8"), (64, "fp8")])
 def test_split_tail_matches_whole_units(monkeypatch, D, pv_dtype, sms):
