@@ -66,8 +66,12 @@ class FastLaunch:
         buf = ctypes.create_string_buffer(8 * max(len(self._ctypes), 1))
         base = ctypes.addressof(buf)
         ptrs = [ctypes.c_void_p(base + 8 * i) for i in range(len(self._ctypes))]
-        # the executor's own packing of those (constant) addresses, kept: a call only rewrites the slots
-        packed = ex._get_invoke_packed_args_func(ptrs)
+        # the executor's own packing of those (constant) addresses, copied into an array of this launcher's (the
+        # executor reuses its array for any later call of the same thread, whatever its arguments): a call only
+        # rewrites the slots
+        shared = ex._get_invoke_packed_args_func(ptrs)
+        packed = (ctypes.c_void_p * len(shared))()
+        ctypes.memmove(packed, shared, ctypes.sizeof(packed))
         state = (buf, packed, ex.capi_func, ex.cuda_result if ex._has_cuda_result else None)
         self._tls.state = state
         return state

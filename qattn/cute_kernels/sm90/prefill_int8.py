@@ -24,7 +24,8 @@ Why the scale granularity matches the tiles: wgmma's accumulator gives warp w of
 
 Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are then set to -inf) and, with
 ``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
-sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
+sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored. A causal CTA reads the K/V tiles its last
+rows see; a warpgroup whose 64 rows see fewer computes only those and keeps its turns for the rest.
 
 Split tail (``PrefillConfig.split_tail``, dense non-causal): a 1-D grid whose units (query tile, head, sequence)
 past ``num_full_units`` run as ``tail_splits`` CTAs over contiguous K/V ranges each; those write fp32 partials,
@@ -917,7 +918,8 @@ class QKInt8PrefillSm90:
 
     @cute.jit
     def _last_pv(self, mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok, wg):
-        """The last turn: P V of the last tile."""
+        """This warpgroup's last P V (of tile ``st``): its turn of the tile after it, or (the CTA's last tile) the
+        tail's turn, after which the last warpgroup passes the turn to nobody."""
         self._my_turn(wg)
         self._issue_pv(mma_pv, mma_pv0, acc_o, acc_t, tOrP, tOrV, v_pipe, st, v_tok)
         if wg != self.nw - 1:  # the last warpgroup's last turn: nobody waits after it
