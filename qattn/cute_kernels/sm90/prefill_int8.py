@@ -881,7 +881,7 @@ class QKInt8PrefillSm90:
     # ----------------------------------------------------------------------------------------------
     @cute.jit
     def _tile(self, n, p_lo, tOrP, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV,
-              acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2, mKS, ks_base,
+              acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_mine, qs_log2, mKS, ks_base,
               row_max, row_sum, corr, wg, bias_addr):
         """One iteration of the MMA warpgroups' loop, tile n >= 1: QK^T(n) and P V(n-1) (P of tile n-1 in
         ``tOrP``), the softmax of tile n, the O rescale, then P(n) -> ``p_lo`` / ``tOrP`` once P V(n-1) is done
@@ -896,7 +896,7 @@ class QKInt8PrefillSm90:
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(1)  # S(n) ready; PV(n-1) may still run
         k_tok, v_tok = self._tile_softmax(n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k,
-                                          diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr)
+                                          diag, n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr)
         warpgroup.wait_group(0)  # PV(n-1) done: its P registers and O may be touched again
         v_pipe.consumer_release(st_prev)
         o_mn = cute.make_tensor(acc_o.iterator, o_rc)
@@ -931,14 +931,15 @@ class QKInt8PrefillSm90:
 
     @cute.jit
     def _tile_softmax(self, n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k, diag,
-                      n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr):
+                      n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr):
         """Tile n >= 1 once its QK^T is done: K tile released, scores (masked where needed), the early K / V
-        tests (``early_kv_wait``), the online softmax. Returns the early tokens."""
+        tests (``early_kv_wait``, up to this warpgroup's last tile ``n_mine - 1``), the online softmax. Returns
+        the early tokens."""
         cfg, TN = self.cfg, self.cfg.tile_n
         k_pipe.consumer_release(st)
         self._scores(acc_s, s, tScS, n * TN, m_block, seqlen_k, diag)
         if cutlass.const_expr(cfg.early_kv_wait):
-            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_blocks - 1), cfg.kv_stages))
+            k_tok = _landed(k_pipe, _consumer_state(cutlass.min(n + 1, n_mine - 1), cfg.kv_stages))
             v_tok = _landed(v_pipe, st)
         self._softmax(s, s_rc, self._tile_scale(qs_log2, mKS, ks_base + n), row_max, row_sum, corr)
         return k_tok, v_tok
@@ -960,7 +961,7 @@ class QKInt8PrefillSm90:
 
     @cute.jit
     def _tile_serial(self, n, p_lo, tOrP, k_tok, v_tok, mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK,
-                     tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_blocks, qs_log2,
+                     tOrV, acc_o, acc_t, k_pipe, v_pipe, tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_mine, qs_log2,
                      mKS, ks_base, row_max, row_sum, corr, wg, bias_addr):
         """``intra_wg_overlap=False``: tile n >= 1 without the intra-warpgroup overlap. One turn issues P V(n-1),
         waits for it, refills the score registers and issues QK^T(n); the softmax of tile n then runs with no
@@ -981,7 +982,7 @@ class QKInt8PrefillSm90:
         self._turn_done(self._next_wg(wg))
         warpgroup.wait_group(0)
         k_tok, v_tok = self._tile_softmax(n, st, k_tok, v_tok, acc_s, s, k_pipe, v_pipe, tScS, s_rc, m_block, seqlen_k,
-                                          diag, n_blocks, qs_log2, mKS, ks_base, row_max, row_sum, corr)
+                                          diag, n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr)
         if cute.arch.vote_any_sync(self._rows_moved(corr)):  # FP8: tile n-1's P V was added above
             self._rescale_o(cute.make_tensor(acc_o.iterator, o_rc), corr)
         self._store_p(s, acc_s.layout, p_lo, tOrP)
