@@ -409,6 +409,11 @@ def flash_attn_func(
     pv_dtype: str = "bf16",
     return_lse: bool = False,
     balance_qk: bool = False,
+    dropout_p: float = 0.0,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ):
     """FlashAttention's ``flash_attn_func`` with SageAttention-style INT8 Q/K: q (batch, seqlen_q, num_heads,
     head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
@@ -423,7 +428,14 @@ def flash_attn_func(
     (``Q K^T`` unchanged), for inputs with loud channels (``qattn.quant.qk_int8``); the prepass then also reads
     Q once (its column amax) and takes K's column ranges, and Q is quantized from ``q * qk_balance``.
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
+
+    FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
+    unchanged: ``dropout_p=0.0``, ``window_size=(-1, -1)`` (or ``(None, None)``), ``softcap=0.0``,
+    ``alibi_slopes=None``; anything else raises NotImplementedError (no sliding window, soft-capping, ALiBi or
+    dropout here). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
+    a fixed order).
     """
+    _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
@@ -442,6 +454,22 @@ def flash_attn_func(
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
                                           pv_dtype, qk_quant or "none", balance_qk)
     return (out, lse) if return_lse else out
+
+
+def _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic) -> None:
+    """FlashAttention's keywords that qattn takes only at their "off" values (see :func:`flash_attn_func`)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise NotImplementedError(f"dropout_p: qattn's prefill is for inference; 0.0 only, got {dropout_p!r}")
+    ws = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    if ws is not None and ws not in ((-1, -1), (None, None)):
+        raise NotImplementedError(f"window_size: local (sliding-window) attention is not implemented; (-1, -1) only "
+                                  f"(causal=True for a causal mask), got {window_size!r}")
+    if softcap not in (0, 0.0, None) or isinstance(softcap, bool):
+        raise NotImplementedError(f"softcap: score soft-capping is not implemented; 0.0 only, got {softcap!r}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not implemented; None only")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
 
 
 def _check_balance(balance_qk, qk_quant) -> None:
@@ -503,12 +531,19 @@ def flash_attn_varlen_func(
     pv_dtype: str = "bf16",
     return_lse: bool = False,
     balance_qk: bool = False,
+    dropout_p: float = 0.0,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ):
     """FlashAttention's ``flash_attn_varlen_func`` with INT8 Q/K: q (total_q, num_heads, head_dim), k and v
     (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
     (``qattn.quant.quantize_qk_int8_varlen``: groups never cross sequences, K smoothed per sequence) + kernel
-    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``balance_qk`` as in
-    :func:`flash_attn_func` (one balance per sequence)."""
+    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``balance_qk`` and
+    FlashAttention's other keywords (``dropout_p``, ``window_size``, ...) as in :func:`flash_attn_func` (one
+    balance per sequence)."""
+    _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)

@@ -5,7 +5,7 @@ queries, zero-length varlen sequences), GQA ratio, head_dim, dtype, causal, q-sc
 P x V dtype, softmax_scale, and whether q / k / v are strided views of one packed QKV tensor (what an engine's
 projection hands over). The reference applies the same quantization rules in fp64 (``prefill_reference``; FP8
 P x V: ``prefill_fp8pv_emulation``), so the tolerances measure the kernels' own rounding; the inputs must come
-back untouched. The other GPU files test each behaviour on purpose-built shapes; this one looks for
+back untouched and a second call must give the same bits (the ``deterministic`` promise). The other GPU files test each behaviour on purpose-built shapes; this one looks for
 interactions nobody listed.
 """
 
@@ -163,6 +163,9 @@ def test_random_prefill_call_matches_reference(c):
                 continue
             ref, ref_lse = _reference(c, q[a:b][None], k[ka:kb][None], v[ka:kb][None])
             _compare(c, o[a:b][None], lse[:, a:b][None], ref, ref_lse, f"sequence {i} ({b - a} x {kb - ka})")
+    again = (qattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw) if c["varlen"]
+             else qattn.flash_attn_func(q, k, v, **kw))
+    assert torch.equal(again[0], o) and torch.equal(again[1], lse), "a second call differs (deterministic=True)"
     for t, t0, name in zip((q, k, v), before, "qkv"):
         assert torch.equal(t, t0), f"{name} was modified"
     assert not math.isnan(float(o.float().sum()))

@@ -62,6 +62,36 @@ def test_flash_attn_func_rejects_unimplemented_modes():
         flash_attn_func(q, q.half(), q)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_attn_keywords_at_their_off_values(varlen):
+    """FlashAttention's dropout_p / window_size / softcap / alibi_slopes / deterministic: the "off" values pass
+    through (the call then fails only for want of a GPU), anything else is a NotImplementedError naming the
+    argument, before any launch."""
+    from qattn.interface.prefill import flash_attn_varlen_func
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+
+    def call(**kw):
+        if varlen:
+            return flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, **kw)
+        return flash_attn_func(q, q, q, **kw)
+
+    for off in (dict(dropout_p=0.0), dict(window_size=(-1, -1)), dict(window_size=(None, None)),
+                dict(window_size=[-1, -1]), dict(softcap=0.0), dict(softcap=None), dict(alibi_slopes=None),
+                dict(deterministic=True), dict(dropout_p=0, window_size=(-1, -1), softcap=0.0, deterministic=False)):
+        with pytest.raises(ValueError, match="CUDA"):
+            call(**off)
+    for on, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(dropout_p=True), "dropout_p"),
+                     (dict(window_size=(128, 0)), "window_size"), (dict(window_size=(-1, 0)), "window_size"),
+                     (dict(window_size=4), "window_size"), (dict(softcap=30.0), "softcap"),
+                     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
+        with pytest.raises(NotImplementedError, match=name):
+            call(**on)
+    with pytest.raises(TypeError, match="deterministic"):
+        call(deterministic="yes")
+
+
 def test_warmup_lists_the_runtime_prefill_keys():
     from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
     from qattn.interface.variants import enumerate_variants
