@@ -35,7 +35,7 @@ def prefill_compile_args():
     from cutlass import Float32, Int32, Int64
 
     return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
-            + [Int32(1), Int32(1), Int64(0), Int64(0)] + [cute.runtime.make_fake_stream()])
+            + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0)] + [cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -137,7 +137,9 @@ _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float, v_scale=None, qk_balance=None) -> None:
+            softmax_scale: float, v_scale=None, qk_balance=None, pdl: bool = False) -> None:
+    """``pdl``: the kernel launched just before on this stream is the prepass of these inputs (see the
+    kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only."""
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -158,7 +160,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            num_full, splits, addr(part), addr(count), stream_handle(dev))
+            num_full, splits, addr(part), addr(count), int(pdl and count is None), stream_handle(dev))
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,6 +185,7 @@ def prefill_int8(
     qk_balance: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     _tuning: Optional[dict] = None,
+    _pdl: bool = False,
 ):
     """Attention on INT8 Q/K already quantized by ``qattn.quant.quantize_qk_int8`` (same block sizes:
     block_q 128, warp_q 16, block_k 128) and V (batch, seqlen_k, num_kv_heads, head_dim) bf16/fp16.
@@ -277,7 +280,7 @@ def prefill_int8(
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             None, None,
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
-            None if qk_balance is None else qk_balance.contiguous())
+            None if qk_balance is None else qk_balance.contiguous(), _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -299,6 +302,7 @@ def prefill_int8_varlen(
     out: Optional[torch.Tensor] = None,
     qk_balance: Optional[torch.Tensor] = None,
     _tuning: Optional[dict] = None,
+    _pdl: bool = False,
 ):
     """:func:`prefill_int8` for packed sequences (FlashAttention's varlen layout): q_int8 (total_q, num_heads,
     head_dim), k_int8 and v (total_k, num_kv_heads, head_dim); sequence i owns rows cu_seqlens[i] ..
@@ -357,7 +361,7 @@ def prefill_int8_varlen(
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
             cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale, None,
-            None if qk_balance is None else qk_balance.contiguous())
+            None if qk_balance is None else qk_balance.contiguous(), _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -509,9 +513,11 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
 
         vt, vs = quantize_v_fp8(v)
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                            return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam)
+                            return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
+                            _pdl=True)
+    # _pdl: the prepass launched just before (K only, or K then Q) lets the attention grid start early
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                        return_lse=True, qk_balance=lam)
+                        return_lse=True, qk_balance=lam, _pdl=True)
 
 
 def flash_attn_varlen_func(
@@ -592,7 +598,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                      warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                               return_lse=True, qk_balance=lam)
+                               return_lse=True, qk_balance=lam, _pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

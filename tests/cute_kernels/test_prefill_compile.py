@@ -33,6 +33,9 @@ def test_prefill_variant_compiles_with_wgmma_and_tma(D, v_dtype, causal, granula
     assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{_PTX[v_dtype]}.{_PTX[v_dtype]}") == 2 * 8
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3  # Q, K, V (a 256-byte V row is two 128-byte boxes)
     assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
+    # pdl: the producer (before K / V, and before an int8 Q) and the MMA warps (before the scales) wait for the
+    # prepass grid
+    assert ptx_count(ptx, r"griddepcontrol\.wait") >= 2
     assert not ptx_has(ptx, "cvt.rn.f32.s32"), "int32 scores must be converted without I2F"
     assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
     # O leaves in 16-byte stores (8 columns of one row per lane after the quad transpose), two rows per thread;

@@ -54,6 +54,8 @@ def test_quant_compiles(head_dim, group_rows, in_bf16):
 
     cfg, ptx = _quant_ptx(head_dim, group_rows, in_bf16)
     _common(ptx)
+    # flash_attn_func launches the attention kernel as its programmatic dependent (pdl)
+    assert ptx_count(ptx, r"griddepcontrol\.launch_dependents") == 1
     # every thread: one 16-byte load and one 8-byte int8 store per pass
     assert ptx_count(ptx, LD16) == cfg.passes
     assert ptx_count(ptx, ST8) == cfg.passes
@@ -76,6 +78,8 @@ def test_quant_with_mean_compiles(head_dim, varlen):
 
     cfg, ptx = _quant_ptx(head_dim, 128, True, True, varlen)
     _common(ptx)
+    # flash_attn_func launches the attention kernel as its programmatic dependent (pdl)
+    assert ptx_count(ptx, r"griddepcontrol\.launch_dependents") == 1
     assert ptx_count(ptx, LD16) == cfg.passes and ptx_count(ptx, ST8) == cfg.passes
     assert ptx_count(ptx, r"\bdiv\.rn\.f32\b") == 1 and ptx_count(ptx, r"\brcp\.rn\.f32\b") == 1
     # the mean: fp64 sum of the chunks, one RN fp64 division, one RN conversion to fp32, RN subtraction

@@ -21,6 +21,7 @@ def test_v_prepass_compiles(D, in_bf16):
     assert ptx_count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 8 * cfg.items  # 16 values per item
     assert ptx_count(ptx, r"st\.global\.v4") == cfg.items  # one 16-byte store per item
     assert ptx_count(ptx, r"ld\.global\.v4") == cfg.passes
+    assert ptx_count(ptx, r"griddepcontrol\.launch_dependents") == 1  # the FP8 attention kernel may start early
     # scale = amax / 448 and 1 / scale, both correctly rounded
     assert ptx_count(ptx, r"div\.rn\.f32") == 1 and ptx_count(ptx, r"rcp\.rn\.f32") == 1
     assert ptx_has(ptx, r"mul\.rn\.f32")

@@ -663,3 +663,45 @@ def _bench():
 
 if __name__ == "__main__" and "--bench" in sys.argv:
     _bench()
+
+
+@pytest.mark.parametrize("case", [("per_warp", "bf16", False, False), ("per_block", "bf16", False, False),
+                                  ("per_warp", "fp8", False, False), ("per_warp", "bf16", True, False),
+                                  ("per_warp", "bf16", False, True)],
+                         ids=["in-kernel-q", "prepass-q", "fp8-pv", "balance-qk", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pdl_launch_gives_identical_outputs(monkeypatch, causal, case):
+    """``flash_attn_func`` launches the attention kernel as a programmatic dependent of the prepass (``pdl``: it
+    may start while the prepass finishes and waits for it before reading its outputs). The same kernel launched
+    plainly must give the same bits, for each prepass that can precede it (K only, K then Q, the V prepass, K
+    with the channel balance, varlen K), run several times back to back."""
+    import qattn
+    import qattn.interface.prefill as P
+
+    granularity, pv_dtype, balance, varlen = case
+    q, k, v = _inputs(2, 1500, 1500, 8, 2, 128, torch.bfloat16, outliers="k_offset", seed=21)
+    kw = dict(causal=causal, granularity=granularity, pv_dtype=pv_dtype, balance_qk=balance, return_lse=True)
+    if varlen:
+        cu = torch.tensor([0, 700, 1500, 3000], dtype=torch.int32, device="cuda")
+        args = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 1500, 1500)
+        fn = qattn.flash_attn_varlen_func
+    else:
+        args, fn = (q, k, v), qattn.flash_attn_func
+    launches = []
+    orig = P._launch
+
+    def spy(*a):
+        launches.append(a[-1])
+        return orig(*a)
+
+    monkeypatch.setattr(P, "_launch", spy)
+    with_pdl = [fn(*args, **kw) for _ in range(3)]
+    assert launches == [True] * 3
+
+    def plain(*a):
+        return orig(*a[:-1], False)
+
+    monkeypatch.setattr(P, "_launch", plain)
+    ref = fn(*args, **kw)
+    for o, lse in with_pdl:
+        assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])

@@ -261,7 +261,7 @@ class QKInt8PrefillSm90:
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32,
-        part_addr: Int64, count_addr: Int64, stream: cuda.CUstream,
+        part_addr: Int64, count_addr: Int64, pdl: Int32, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -276,7 +276,14 @@ class QKInt8PrefillSm90:
         ``split_tail``: units (query tile, head, sequence) ``>= num_full_units`` run as ``tail_splits`` CTAs each
         (``prefill_config.split_tail_plan``); ``part_addr``: fp32 partial outputs (tail CTAs, tile_m, head_dim)
         then their log2-domain LSEs (tail CTAs, tile_m); ``count_addr``: int32 zeros, one per split unit. Unused
-        otherwise."""
+        otherwise.
+
+        ``pdl`` (runtime, 0 / 1): launch as a programmatic dependent of the kernel just before it on the stream,
+        which must be the prepass that made this kernel's quantized inputs (it lets this grid start early,
+        ``griddepcontrol.launch_dependents``): the CTAs then load and quantize their 16-bit Q tile while the
+        prepass finishes, and wait (``griddepcontrol.wait``) before reading anything it wrote (int8 K or Q,
+        scales, FP8 V^T, channel balance). Q itself must not come from that kernel; ``flash_attn_func`` sets it,
+        a direct call of ``prefill_int8`` does not."""
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -370,7 +377,7 @@ class QKInt8PrefillSm90:
                     Int32(cutlass.select_(grouped, num_m_blocks, num_heads)),
                     Int32(cutlass.select_(grouped, num_heads * num_seqs // lpt_group, num_seqs)))
         launcher.launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
-                        min_blocks_per_mp=1)
+                        min_blocks_per_mp=1, use_pdl=pdl)
 
     # ----------------------------------------------------------------------------------------------
     @cute.kernel
@@ -511,7 +518,12 @@ class QKInt8PrefillSm90:
                                                  cute.group_modes(gV, 0, 2))
                 q_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 q_pipe.producer_acquire(q_prod)
+                if cutlass.const_expr(not self.quantize_q):  # int8 Q is the prepass's output
+                    cute.arch.griddepcontrol_wait()
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_prod))
+                # ``pdl``: K (and V^T) come from the prepass, which may still run; a no-op without a
+                # programmatic predecessor
+                cute.arch.griddepcontrol_wait()
                 kv_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stages)
                 for n in cutlass.range(n_blocks, unroll=1):
                     kn = n if cutlass.const_expr(kb0 is None) else kb0 + n
@@ -624,14 +636,20 @@ class QKInt8PrefillSm90:
         q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_pipe.consumer_wait(q_cons)
         if cutlass.const_expr(self.int8_qk):
+            # ``pdl``: every thread waits for the prepass grid before it reads what the prepass wrote (the
+            # channel balance, q and k scales): right away, or after quantizing Q from the caller's tensor
             if cutlass.const_expr(self.quantize_q):
                 lam_row = None
                 if cutlass.const_expr(cfg.balance_qk):  # this (sequence, kv head)'s channel balance
+                    cute.arch.griddepcontrol_wait()
                     lam_row = cute.make_tensor(
                         cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4) + (b * num_kv_heads + h_kv) * D,
                         cute.make_layout(D))
                 q_scale = self._quantize_q(q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q, lam_row)
+                if cutlass.const_expr(not cfg.balance_qk):
+                    cute.arch.griddepcontrol_wait()
             else:
+                cute.arch.griddepcontrol_wait()
                 q_scale = cute.make_tensor(cute.make_ptr(Float32, q_scale_addr, gmem, assumed_align=4),
                                            cute.make_layout(1 << 30))[(b * num_heads + h) * num_q_groups + q_group]
             mKS = cute.make_tensor(cute.make_ptr(Float32, k_scale_addr, gmem, assumed_align=4),

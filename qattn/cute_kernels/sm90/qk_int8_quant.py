@@ -284,6 +284,10 @@ class QKInt8Quant:
                seqlen: Int32, num_heads: Int32, num_groups: Int32, num_chunks: Int32, q_per_kv: Int32,
                stride_b: Int64, stride_s: Int64, stride_h: Int64):
         D, G, TPR, RPP = self.head_dim, self.group_rows, self.threads_per_row, self.rows_per_pass
+        # The attention kernel after this one (``flash_attn_func``, launched with ``pdl``) may be scheduled once
+        # every CTA of this grid has started: it loads and quantizes Q meanwhile and waits for this grid's end
+        # (griddepcontrol.wait) before it reads any of its outputs. No effect on any other next kernel.
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, b = cute.arch.block_idx()
         if cutlass.const_expr(self.subtract_mean and not self.cluster):

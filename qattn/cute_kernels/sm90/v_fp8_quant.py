@@ -166,6 +166,8 @@ class VFp8TransposeQuant:
                num_heads: Int32, num_chunks: Int32, num_tiles: Int32, stride_b: Int64, stride_s: Int64,
                stride_h: Int64):
         D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
+        # FP8 P.V: the attention kernel after this one may start early (see ``qk_int8_quant``'s kernel)
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, b = cute.arch.block_idx()
         bh = Int64(b) * Int64(num_heads) + Int64(head)
