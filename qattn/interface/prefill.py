@@ -35,7 +35,7 @@ def prefill_compile_args():
     from cutlass import Float32, Int32, Int64
 
     return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
-            + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0)] + [cute.runtime.make_fake_stream()])
+            + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0)] + [Int32(1)] * 9 + [cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -62,8 +62,36 @@ def _check(t, name: str, dtype, shape, device) -> None:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernel's TMA can read it in place (last dim contiguous; the data pointer and every
+    other stride of a dimension longer than 1 a multiple of 16 bytes: e.g. q, k, v sliced out of one packed QKV
+    tensor), else a contiguous, aligned copy."""
+    eb = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+            t.shape[i] == 1 or (t.stride(i) * eb) % 16 == 0 for i in range(t.dim() - 1)) and sum(
+            (n - 1) * st for n, st in zip(t.shape, t.stride())) < 2**31:  # the kernel's 32-bit strides
+        return t
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _strides16(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    """(row, head, batch) strides of a dense (batch, rows, heads, dim) or packed (rows, heads, dim) tensor that
+    passed :func:`_aligned`, in 16-byte units, for the kernel's TMA descriptors. A dimension of size 1 gets the
+    stride a contiguous tensor would have (its own is never used, and may be anything); packed: the batch stride
+    spans all rows. None (the FP8 V^T, whose layout the kernel fixes): zeros."""
+    if t is None:
+        return 0, 0, 0
+    eb, shape = t.element_size(), t.shape
+    contig = [1] * t.dim()
+    for i in range(t.dim() - 2, -1, -1):
+        contig[i] = contig[i + 1] * shape[i + 1]
+    st = [contig[i] if shape[i] == 1 else t.stride(i) for i in range(t.dim())]
+    if t.dim() == 4:
+        row, head, batch = st[1], st[2], st[0]
+    else:
+        row, head = st[0], st[1]
+        batch = row * max(shape[0], 1)
+    return row * eb // 16, head * eb // 16, batch * eb // 16
 
 
 def _check_q_dtypes(q, k_int8, quantize_q: bool, granularity: str) -> None:
@@ -160,7 +188,8 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            num_full, splits, addr(part), addr(count), int(pdl and count is None), stream_handle(dev))
+            num_full, splits, addr(part), addr(count), int(pdl and count is None), *_strides16(q_int8),
+            *_strides16(k_int8), *_strides16(None if v.dtype == torch.float8_e4m3fn else v), stream_handle(dev))
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,7 +413,7 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
                   varlen=varlen, qk_dtype="bf16")
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if varlen:
         num_seqs = cu_q.shape[0] - 1
         lse = torch.empty((Hq, q.shape[0]), dtype=torch.float32, device=q.device)

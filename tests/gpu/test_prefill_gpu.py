@@ -705,3 +705,59 @@ def test_pdl_launch_gives_identical_outputs(monkeypatch, causal, case):
     ref = fn(*args, **kw)
     for o, lse in with_pdl:
         assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
+
+
+@pytest.mark.parametrize("layout", ["packed_qkv", "heads_major", "misaligned"])
+@pytest.mark.parametrize("mode", ["int8", "per_block", "fp8", "qk16", "varlen"])
+def test_strided_inputs_are_read_in_place(monkeypatch, mode, layout):
+    """q, k, v as views: sliced out of one packed QKV tensor (row stride (Hq + 2 Hkv) D), or (batch, heads, seq,
+    dim) memory transposed to (batch, seq, heads, dim) (head stride seq x dim). The attention kernel's TMA reads
+    them in place (the tensors it gets are the caller's, no copy) and the bits equal those of contiguous copies;
+    a view whose data pointer is not 16-byte aligned is copied first (same bits)."""
+    import qattn
+    import qattn.interface.prefill as P
+
+    B, S, Hq, Hkv, D = 2, 700, 4, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    if layout == "packed_qkv":
+        qkv = torch.randn(B, S, Hq + 2 * Hkv, D, device="cuda", generator=g).bfloat16()
+        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+    elif layout == "heads_major":
+        q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=g).bfloat16().transpose(1, 2)
+                   for h in (Hq, Hkv, Hkv))
+    else:  # one element in: 2-byte aligned only
+        flat = torch.randn(3 * B * S * Hq * D + 1, device="cuda", generator=g).bfloat16()[1:]
+        q, k, v = (flat[i * B * S * Hq * D:(i * B * S * Hq * D + B * S * h * D)].view(B, S, h, D)
+                   for i, h in enumerate((Hq, Hkv, Hkv)))
+    if mode == "varlen":
+        q, k, v = q[0], k[0], v[0]  # (S, heads, dim) views of batch 0
+    kw = dict(causal=True, return_lse=True)
+    if mode == "per_block":
+        kw["granularity"] = "per_block"
+    elif mode == "fp8":
+        kw["pv_dtype"] = "fp8"
+    elif mode == "qk16":
+        kw["qk_quant"] = None
+    seen = []
+    orig = P._launch
+
+    def spy(cfg, q_arg, k_arg, v_arg, *rest):
+        seen.append((q_arg.data_ptr(), k_arg.data_ptr(), v_arg.data_ptr()))
+        return orig(cfg, q_arg, k_arg, v_arg, *rest)
+
+    monkeypatch.setattr(P, "_launch", spy)
+    if mode == "varlen":
+        cu = torch.tensor([0, 300, S], dtype=torch.int32, device="cuda")
+        out = qattn.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw)
+        ref = qattn.flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 400, 400, **kw)
+    else:
+        out = qattn.flash_attn_func(q, k, v, **kw)
+        ref = qattn.flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    in_place = layout != "misaligned"
+    if mode in ("int8", "varlen", "qk16", "fp8"):  # the kernel reads the caller's Q
+        assert (seen[0][0] == q.data_ptr()) == in_place
+    if mode in ("int8", "per_block", "varlen", "qk16"):  # and the caller's V
+        assert (seen[0][2] == v.data_ptr()) == in_place
+    if mode == "qk16":  # and K
+        assert (seen[0][1] == k.data_ptr()) == in_place

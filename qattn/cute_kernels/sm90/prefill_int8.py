@@ -261,7 +261,9 @@ class QKInt8PrefillSm90:
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32,
-        part_addr: Int64, count_addr: Int64, pdl: Int32, stream: cuda.CUstream,
+        part_addr: Int64, count_addr: Int64, pdl: Int32,
+        q_row16: Int32, q_head16: Int32, q_batch16: Int32, k_row16: Int32, k_head16: Int32, k_batch16: Int32,
+        v_row16: Int32, v_head16: Int32, v_batch16: Int32, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -278,6 +280,11 @@ class QKInt8PrefillSm90:
         then their log2-domain LSEs (tail CTAs, tile_m); ``count_addr``: int32 zeros, one per split unit. Unused
         otherwise.
 
+        ``q_row16, q_head16, q_batch16`` (and K's, V's): the row, head and batch strides of Q, K and V (16-bit V;
+        the FP8 V^T has its own fixed layout) in units of 16 bytes, so that any view whose last dim is contiguous and
+        whose other strides are 16-byte multiples is read in place (e.g. q, k, v sliced out of one packed QKV
+        projection); varlen: batch stride unused (one packed "batch").
+
         ``pdl`` (runtime, 0 / 1): launch as a programmatic dependent of the kernel just before it on the stream,
         which must be the prepass that made this kernel's quantized inputs (it lets this grid start early,
         ``griddepcontrol.launch_dependents``): the CTAs then load and quantize their 16-bit Q tile while the
@@ -287,14 +294,18 @@ class QKInt8PrefillSm90:
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
-        # FlashAttention layouts, (batch, seqlen, heads, head_dim) contiguous; viewed (seqlen, dim, head, batch).
-        q_row, k_row = num_heads * D, num_kv_heads * D
+        # FlashAttention layouts, (batch, seqlen, heads, head_dim) with any 16-byte strides but the last dim's;
+        # viewed (seqlen, dim, head, batch). A stride in 16-byte units times a constant lets the TMA descriptors'
+        # alignment be proven at compile time.
+        def elems(units, dtype):
+            return tuple(u * (16 * 8 // dtype.width) for u in units)
+
+        q_rs, q_hs, q_bs = elems((q_row16, q_head16, q_batch16), self.q_dtype)
+        k_rs, k_hs, k_bs = elems((k_row16, k_head16, k_batch16), self.qk_ab)
         mQ = cute.make_tensor(cute.make_ptr(self.q_dtype, q_addr, gmem, assumed_align=16),
-                              cute.make_layout((seqlen_q, D, num_heads, batch),
-                                               stride=(q_row, 1, D, seqlen_q * q_row)))
+                              cute.make_layout((seqlen_q, D, num_heads, batch), stride=(q_rs, 1, q_hs, q_bs)))
         mK = cute.make_tensor(cute.make_ptr(self.qk_ab, k_addr, gmem, assumed_align=16),
-                              cute.make_layout((seqlen_k, D, num_kv_heads, batch),
-                                               stride=(k_row, 1, D, seqlen_k * k_row)))
+                              cute.make_layout((seqlen_k, D, num_kv_heads, batch), stride=(k_rs, 1, k_hs, k_bs)))
         if cutlass.const_expr(self.fp8):
             # V^T as the B operand of P x V: (N = dim, K = keys), keys contiguous ("K-major", the only form FP8
             # wgmma takes); keys padded to whole tiles (zeros) and permuted within groups of 32 by the prepass.
@@ -304,9 +315,9 @@ class QKInt8PrefillSm90:
                                                    stride=(sk_pad, 1, D * sk_pad, num_kv_heads * D * sk_pad)))
         else:
             # V as the B operand of P x V: (N = dim, K = keys), dim contiguous ("MN-major").
+            v_rs, v_hs, v_bs = elems((v_row16, v_head16, v_batch16), vdt)
             mV = cute.make_tensor(cute.make_ptr(vdt, v_addr, gmem, assumed_align=16),
-                                  cute.make_layout((D, seqlen_k, num_kv_heads, batch),
-                                                   stride=(1, k_row, D, seqlen_k * k_row)))
+                                  cute.make_layout((D, seqlen_k, num_kv_heads, batch), stride=(1, v_rs, v_hs, v_bs)))
 
         # Two copies of the QK^T MMA, for the first k-block (overwrite) and the others (accumulate): the
         # ACCUMULATE field is set once per copy at the top of the consumer, never inside a staged branch.
