@@ -259,6 +259,13 @@ class KVInsert:
     def _scale_tensor(self, side: _Side, ptr, rows):
         return scale_rows_tensor(side, ptr, rows, self.threads_per_row)
 
+    def _input_tensor(self, ptr, num_tokens, num_heads, token16, head16):
+        # the 16-bit K / V input: (4 words, chunk, thread-in-row, head, token), strides of tokens and heads given
+        # in 16-byte units (4 words: the 16-byte loads stay provably aligned), so views are read in place
+        head_words, token_words = cute.assume(head16 * 4, divby=4), cute.assume(token16 * 4, divby=4)
+        return cute.make_tensor(ptr, cute.make_layout((4, self.in_chunks, self.threads_per_row, num_heads, num_tokens),
+                                                      stride=(1, 4, self.elems // 2, head_words, token_words)))
+
     def _vec16_tensor(self, ptr, rows):
         # 16-bit rows (inputs, rings): (4 words, chunk, thread-in-row, row)
         return cute.make_tensor(ptr, cute.make_layout((4, self.in_chunks, self.threads_per_row, rows),
@@ -267,7 +274,7 @@ class KVInsert:
     @cute.jit
     def __call__(
         self,
-        k_in: cute.Pointer,  # Uint32 view of k (T, H, D) bf16/fp16, contiguous, 16-byte aligned
+        k_in: cute.Pointer,  # Uint32 view of k (T, H, D) bf16/fp16, last dim contiguous, 16-byte aligned
         v_in: cute.Pointer,
         slots: cute.Pointer,  # Int64 (T,)
         seq_slots: cute.Pointer,  # Int64 (T,) (ring caches; any pointer otherwise)
@@ -293,11 +300,15 @@ class KVInsert:
         ring_rows: Int32,  # max_seqs * H * window
         sink_rows: Int32,  # max_seqs * H * sink_tokens
         max_position: Int32,  # rows of the RoPE table (1 without RoPE)
+        k_token16: Int32,  # token and head strides of k and v, in 16-byte units
+        k_head16: Int32,
+        v_token16: Int32,
+        v_head16: Int32,
         stream: cuda.CUstream,
     ):
         rows = num_tokens * num_heads
-        mKin = self._vec16_tensor(k_in, rows)
-        mVin = self._vec16_tensor(v_in, rows)
+        mKin = self._input_tensor(k_in, num_tokens, num_heads, k_token16, k_head16)
+        mVin = self._input_tensor(v_in, num_tokens, num_heads, v_token16, v_head16)
         mSlot = cute.make_tensor(slots, cute.make_layout((num_tokens,)))
         mSeq = cute.make_tensor(seq_slots, cute.make_layout((num_tokens,)))
         mPos = cute.make_tensor(positions, cute.make_layout((num_tokens,)))
@@ -345,8 +356,8 @@ class KVInsert:
         if token < num_tokens:
             slot = mSlot[token]
             for ci in cutlass.range_constexpr(self.in_chunks):
-                cute.copy(vec128, mKin[None, ci, part, row], rKin[None, ci])
-                cute.copy(vec128, mVin[None, ci, part, row], rVin[None, ci])
+                cute.copy(vec128, mKin[None, ci, part, head, token], rKin[None, ci])
+                cute.copy(vec128, mVin[None, ci, part, head, token], rVin[None, ci])
         valid = slot >= Int64(0)
         s32 = Int32(slot)
         blk = s32 // page_size
@@ -644,7 +655,7 @@ def _fake_args(cfg: KVInsert):
     return (p(Uint32, 16), p(Uint32, 16), p(Int64, 8), p(Int64, 8), p(Int64, 8),
             p(Uint32, 16), p(*ks), p(Float32, 4), p(Uint32, 16), p(*vs), p(Float32, 4),
             p(Uint32, 16), p(Uint32, 16), p(Uint32, 16), p(Uint32, 16), p(Float32, 4), p(Float32, 16),
-            p(Float32, 16)) + tuple(Int32(1) for _ in range(8)) + (cute.runtime.make_fake_stream(),)
+            p(Float32, 16)) + tuple(Int32(1) for _ in range(12)) + (cute.runtime.make_fake_stream(),)
 
 
 def _compiled(cfg: KVInsert, arch: str):
@@ -684,7 +695,16 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
     max_position = int(cos_sin.shape[0]) if cos_sin is not None else 1
     fast(_compiled(cfg, arch))(*ptrs, T_, H, page_size, max(window, 1), num_blocks * H * page_size,
                                max_seqs * H * max(window, 1), max_seqs * H * max(sink_tokens, 1), max_position,
-                               stream_handle(k.device))
+                               *_strides16(k), *_strides16(v), stream_handle(k.device))
+
+
+def _strides16(t) -> tuple[int, int]:
+    """(token, head) strides of a (T, H, D) 16-bit input in 16-byte units (a size-1 dimension's own stride is
+    never used and may be anything: the contiguous one instead). ``write_kv`` copies inputs it cannot pass so."""
+    T_, H, D = t.shape
+    tok = t.stride(0) if T_ > 1 else H * D
+    head = t.stride(1) if H > 1 else D
+    return tok * t.element_size() // 16, head * t.element_size() // 16
 
 
 # ==================================================================================================

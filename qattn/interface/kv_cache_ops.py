@@ -44,6 +44,18 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _input_view(t: torch.Tensor) -> torch.Tensor:
+    """k or v (T, H, D) itself when the insert kernel can read it in place (last dim contiguous; the data pointer
+    and the token and head strides of dimensions longer than 1 multiples of 16 bytes: e.g. k and v sliced out of
+    one packed QKV projection), else a contiguous, aligned copy."""
+    eb = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+            t.shape[i] == 1 or (t.stride(i) * eb) % 16 == 0 for i in range(2)) and sum(
+            (n - 1) * st for n, st in zip(t.shape, t.stride())) < 2**31:  # the kernel's 32-bit offsets
+        return t
+    return _aligned16(t)
+
+
 def insert_config_for(cache: PagedKVCache, k_dtype: torch.dtype, rope: RoPE | None = None, smooth: bool = False):
     """The :class:`~qattn.cute_kernels.kv_insert.KVInsert` variant ``write_kv`` launches for this cache, input
     dtype and transforms (``qattn-warmup`` enumerates the same configurations)."""
@@ -62,7 +74,9 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     """Quantize ``k``, ``v`` (num_tokens, num_kv_heads, head_dim) bf16/fp16 and write them into ``layer`` of
     ``cache`` at ``slot_mapping`` (num_tokens,) int64 (``block * page_size + offset``; -1 skips the token:
     nothing is written for it). One fused CuTe-DSL kernel launch on the current stream; the bytes equal
-    :func:`qattn.reference.write_kv_reference`.
+    :func:`qattn.reference.write_kv_reference`. ``k`` and ``v`` may be views (last dim contiguous, token and head
+    strides and the data pointer 16-byte aligned: e.g. sliced out of one packed QKV projection): the kernel reads
+    them in place; anything else is copied to a contiguous tensor first.
 
     Optional transforms, fused into the same launch, in this order and in fp32 (docs/formats.md, "Insert
     transforms"): ``rope`` (a :class:`qattn.RoPE`: NeoX or GPT-J pairing, cos/sin table on the cache's device)
@@ -143,7 +157,7 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     cfg = insert_config_for(cache, k.dtype, rope, k_mean is not None)
     with on_device(dev):
         arch = supported_arch(dev)
-        k16, v16 = _aligned16(k), _aligned16(v)
+        k16, v16 = _input_view(k), _input_view(v)
         slots = slot_mapping.contiguous()
         kv_insert.launch_insert(cfg, arch, k16, v16, slots,
                                 None if seq_slots is None else seq_slots.contiguous(),

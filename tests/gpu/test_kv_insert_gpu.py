@@ -123,6 +123,41 @@ def test_write_every_format(fmt, head_dim, page):
     _write_both(cache, k, v, _random_slots(n, nb * page, gen))
 
 
+@pytest.mark.parametrize("layout", ["packed_qkv", "heads_major", "misaligned"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8", ("fp8", "mxfp4")], ids=str)
+def test_write_strided_inputs(monkeypatch, fmt, layout):
+    """k and v as views: sliced out of one packed QKV projection (token stride (Hq + 2 H) D), or heads-major
+    memory transposed (head stride T D). The insert kernel reads them in place (it gets the caller's tensors) and
+    writes the same bytes as the reference; a view whose data pointer is only 2-byte aligned is copied first."""
+    import qattn.cute_kernels.kv_insert as KI
+
+    gen = torch.Generator().manual_seed(3)
+    kf, vf = (_fmt(fmt), _fmt(fmt)) if isinstance(fmt, str) else (_fmt(fmt[0]), _fmt(fmt[1]))
+    H, Hq, D, page, nb, n = 4, 8, 128, 16, 64, 500
+    cache = _make_cache(kf, vf, D, page, nb, H, gen)
+    k0, v0 = _inputs(n, H, D, gen)
+    if layout == "packed_qkv":
+        qkv = torch.zeros(n, Hq + 2 * H, D, dtype=k0.dtype, device="cuda")
+        qkv[:, Hq:Hq + H], qkv[:, Hq + H:] = k0, v0
+        k, v = qkv[:, Hq:Hq + H], qkv[:, Hq + H:]
+    elif layout == "heads_major":
+        k, v = k0.transpose(0, 1).contiguous().transpose(0, 1), v0.transpose(0, 1).contiguous().transpose(0, 1)
+    else:
+        buf = torch.zeros(2 * n * H * D + 1, dtype=k0.dtype, device="cuda")[1:]
+        k, v = buf[:n * H * D].view(n, H, D), buf[n * H * D:].view(n, H, D)
+        k.copy_(k0), v.copy_(v0)
+    seen = []
+    orig = KI.launch_insert
+
+    def spy(cfg, arch, k_arg, v_arg, *rest, **kw):
+        seen.append((k_arg.data_ptr(), v_arg.data_ptr()))
+        return orig(cfg, arch, k_arg, v_arg, *rest, **kw)
+
+    monkeypatch.setattr(KI, "launch_insert", spy)
+    _write_both(cache, k, v, _random_slots(n, nb * page, gen))
+    assert (seen[0] == (k.data_ptr(), v.data_ptr())) == (layout != "misaligned")
+
+
 @pytest.mark.parametrize("pair", [("int8", "nvfp4"), ("fp8", "mxfp4"), ("bf16", "fp8"), ("nvfp4", "int8"),
                                   ("mxfp4_b16", "bf16")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

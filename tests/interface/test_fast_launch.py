@@ -45,4 +45,4 @@ def test_pointer_arguments_map_to_addresses():
 
     cfg, _ = make_insert_compile_args(kv_format("fp8"), kv_format("fp8"), 64)
     f = FastLaunch(_compiled(cfg, "sm_90a"))
-    assert f._ctypes == [ctypes.c_void_p] * 18 + [ctypes.c_int32] * 8 + [ctypes.c_void_p]
+    assert f._ctypes == [ctypes.c_void_p] * 18 + [ctypes.c_int32] * 12 + [ctypes.c_void_p]  # 8 sizes, 4 strides
