@@ -701,10 +701,11 @@ def launch_insert(cfg: KVInsert, arch: str, k, v, slots, seq_slots, positions, l
 def _strides16(t) -> tuple[int, int]:
     """(token, head) strides of a (T, H, D) 16-bit input in 16-byte units (a size-1 dimension's own stride is
     never used and may be anything: the contiguous one instead). ``write_kv`` copies inputs it cannot pass so."""
-    T_, H, D = t.shape
-    tok = t.stride(0) if T_ > 1 else H * D
-    head = t.stride(1) if H > 1 else D
-    return tok * t.element_size() // 16, head * t.element_size() // 16
+    T_, H, D = t.shape  # 16-bit: 8 elements per 16 bytes
+    if t.is_contiguous():
+        return H * D // 8, D // 8
+    tok, head, _ = t.stride()
+    return (tok if T_ > 1 else H * D) // 8, (head if H > 1 else D) // 8
 
 
 # ==================================================================================================
