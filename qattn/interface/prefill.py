@@ -61,6 +61,11 @@ def _check(t, name: str, dtype, shape, device) -> None:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
+def _contiguous16(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when the kernel's TMA can read it in place (last dim contiguous; the data pointer and every
     other stride of a dimension longer than 1 a multiple of 16 bytes: e.g. q, k, v sliced out of one packed QKV
@@ -72,8 +77,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
             t.shape[i] == 1 or (t.stride(i) * eb) % 16 == 0 for i in range(t.dim() - 1)) and sum(
             (n - 1) * st for n, st in zip(t.shape, t.stride())) < 2**31:  # the kernel's 32-bit strides
         return t
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return _contiguous16(t)
 
 
 def _strides16(t: Optional[torch.Tensor], rows: int = 0, heads: int = 0) -> tuple[int, int, int]:
@@ -300,7 +304,8 @@ def prefill_int8(
         check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
-        q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
+        # the SM100 kernel addresses contiguous tensors (no strides): views are copied
+        q_int8, k_int8, v = _contiguous16(q_int8), _contiguous16(k_int8), _contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
