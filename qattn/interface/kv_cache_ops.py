@@ -12,7 +12,7 @@ import torch
 
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import RoPE
-from .fast_launch import on_device
+from .fast_launch import contiguous16, kernel_view, on_device
 from .torch_ops import write_kv_traced  # registers the custom ops
 
 __all__ = ["write_kv", "flatten_kv", "inspect_kv"]
@@ -37,25 +37,6 @@ def _tensor(t, name: str, dtypes, device, shape=None) -> torch.Tensor:
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     return t
-
-
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _input_view(t: torch.Tensor) -> torch.Tensor:
-    """k or v (T, H, D) itself when the insert kernel can read it in place (last dim contiguous; the data pointer
-    and the token and head strides of dimensions longer than 1 multiples of 16 bytes: e.g. k and v sliced out of
-    one packed QKV projection), else a contiguous, aligned copy."""
-    if t.is_contiguous():  # the common case, in a fraction of a microsecond
-        return t if t.data_ptr() % 16 == 0 else t.clone()
-    eb = t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-            t.shape[i] == 1 or (t.stride(i) * eb) % 16 == 0 for i in range(2)) and sum(
-            (n - 1) * st for n, st in zip(t.shape, t.stride())) < 2**31:  # the kernel's 32-bit offsets
-        return t
-    return _aligned16(t)
 
 
 def insert_config_for(cache: PagedKVCache, k_dtype: torch.dtype, rope: RoPE | None = None, smooth: bool = False):
@@ -159,15 +140,16 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     cfg = insert_config_for(cache, k.dtype, rope, k_mean is not None)
     with on_device(dev):
         arch = supported_arch(dev)
-        k16, v16 = _input_view(k), _input_view(v)
+        # views (e.g. of a packed QKV projection) are read in place; the kernel takes 32-bit strides
+        k16, v16 = kernel_view(k, offset_limit=2**31), kernel_view(v, offset_limit=2**31)
         slots = slot_mapping.contiguous()
         kv_insert.launch_insert(cfg, arch, k16, v16, slots,
                                 None if seq_slots is None else seq_slots.contiguous(),
                                 None if positions is None else positions.contiguous(),
                                 lay, cache.num_blocks, cache.page_size, cache.recent_window, cache.max_seqs,
                                 cos_sin=None if rope is None else rope.cos_sin_cache,
-                                k_mean=None if k_mean is None else _aligned16(k_mean),
-                                rot_signs=_aligned16(cache.rotation_signs) if cache.rotate else None,
+                                k_mean=None if k_mean is None else contiguous16(k_mean),
+                                rot_signs=contiguous16(cache.rotation_signs) if cache.rotate else None,
                                 sink_tokens=sink)
 
 

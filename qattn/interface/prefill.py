@@ -21,7 +21,7 @@ import torch
 
 from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LONG_CAUSAL_KEYS, WARP_Q, PrefillConfig,
                                                lpt_group, seqlen_tile_m, split_tail_plan)
-from .fast_launch import fast, on_device, stream_handle
+from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
@@ -61,23 +61,10 @@ def _check(t, name: str, dtype, shape, device) -> None:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
-def _contiguous16(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when the kernel's TMA can read it in place (last dim contiguous; the data pointer and every
-    other stride of a dimension longer than 1 a multiple of 16 bytes: e.g. q, k, v sliced out of one packed QKV
-    tensor), else a contiguous, aligned copy."""
-    if t.is_contiguous():  # the common case, in a fraction of a microsecond
-        return t if t.data_ptr() % 16 == 0 else t.clone()
-    eb = t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-            t.shape[i] == 1 or (t.stride(i) * eb) % 16 == 0 for i in range(t.dim() - 1)) and sum(
-            (n - 1) * st for n, st in zip(t.shape, t.stride())) < 2**31:  # the kernel's 32-bit strides
-        return t
-    return _contiguous16(t)
+    """``t`` itself when the attention kernel's TMA can read it in place (``kernel_view``; 32-bit strides), else a
+    contiguous, aligned copy."""
+    return kernel_view(t, offset_limit=2**31)
 
 
 def _strides16(t: Optional[torch.Tensor], rows: int = 0, heads: int = 0) -> tuple[int, int, int]:
@@ -305,7 +292,7 @@ def prefill_int8(
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
-        q_int8, k_int8, v = _contiguous16(q_int8), _contiguous16(k_int8), _contiguous16(v)
+        q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
                            causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
@@ -510,7 +497,7 @@ def _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, determinis
     if ws is not None and ws not in ((-1, -1), (None, None)):
         raise NotImplementedError(f"window_size: local (sliding-window) attention is not implemented; (-1, -1) only "
                                   f"(causal=True for a causal mask), got {window_size!r}")
-    if softcap not in (0, 0.0, None) or isinstance(softcap, bool):
+    if softcap not in (0, None) or isinstance(softcap, bool):  # (0.0 == 0)
         raise NotImplementedError(f"softcap: score soft-capping is not implemented; 0.0 only, got {softcap!r}")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented; None only")

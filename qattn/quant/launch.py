@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from ..interface.fast_launch import kernel_view as _kernel_view  # the rule of what kernels read in place
 from .qk_int8 import _check_blocks, _num_groups
 
 __all__ = ["quantize_qk_int8", "quantize_qk_int8_varlen", "quantize_k_int8", "quantize_k_int8_varlen"]
@@ -97,17 +98,6 @@ def _check_max_seqlen(v, name: str) -> int:
     if v < 0:
         raise ValueError(f"{name}: must be >= 0, got {v}")
     return v
-
-
-def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when the kernels can read it in place (last dim contiguous, every other stride and the data
-    pointer 16-byte aligned), else a contiguous copy. Strides of size-1 dimensions are never used."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all(t.stride(i) % 8 == 0 or t.shape[i] == 1 for i in range(t.dim() - 1))
-    if ok:
-        return t
-    c = t.contiguous()
-    return c if c.data_ptr() % 16 == 0 else c.clone()
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
