@@ -35,7 +35,8 @@ def prefill_compile_args():
     from cutlass import Float32, Int32, Int64
 
     return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
-            + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0)] + [Int32(1)] * 9 + [cute.runtime.make_fake_stream()])
+            + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0), Int32(0), Int32(0)] + [Int32(1)] * 9
+            + [cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -137,6 +138,39 @@ def _softmax_scale(softmax_scale, D: int) -> float:
     return softmax_scale
 
 
+def _window_ints(window_size) -> tuple[int, int]:
+    """FlashAttention's ``window_size`` as two ints >= -1 (None: -1, unbounded); raises on anything else."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    ws = tuple(-1 if w is None else w for w in window_size)
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in ws):
+        raise ValueError(f"window_size: expected ints >= -1 (or None), -1 meaning unbounded, got {window_size!r}")
+    return ws
+
+
+@functools.lru_cache(maxsize=4096)
+def _window(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """(left, right) bounds of the keys each query sees (FlashAttention: query i sees keys j with i + seqlen_k -
+    seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 = unbounded; ``causal`` sets right to 0). A bound
+    that no row of any sequence up to these lengths reaches becomes -1, which changes no output (and keeps the
+    plain causal / full kernels for windows longer than the sequences)."""
+    left, right = _window_ints(window_size)
+    if causal:
+        right = 0
+    if left >= max_seqlen_k - 1:  # row Sq - 1's bound Sk - 1 - left <= 0: every key from the first on
+        left = -1
+    if not causal and right >= max_seqlen_q - 1:  # row 0's bound Sk - Sq + right >= Sk - 1: every key to the last
+        right = -1
+    return left, right
+
+
+def _window_flags(left: int, right: int) -> tuple[bool, bool]:
+    """(``PrefillConfig.causal``, ``.local``) of a :func:`_window` result: a right edge is the causal bound (right 0:
+    the causal mask itself, whatever ``causal`` said), moved by ``window_right`` in a local kernel; ``local`` for
+    any edge a plain causal / full kernel lacks."""
+    return right >= 0, left >= 0 or right > 0
+
+
 def _out(out, dtype, shape, dev) -> torch.Tensor:
     """The caller's ``out`` (checked) or a new output tensor."""
     if out is None:
@@ -157,15 +191,18 @@ def _check_qkv_16bit(q, k, v) -> None:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+# the kernel's window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
+_NO_LEFT_EDGE = 1 << 30
 _lpt_group = functools.lru_cache(maxsize=4096)(lpt_group)  # per argument tuple: no Python work per call
 _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float, v_scale=None, qk_balance=None, pdl: bool = False) -> None:
+            softmax_scale: float, v_scale=None, qk_balance=None, window=(-1, -1), pdl: bool = False) -> None:
     """``pdl``: the kernel launched just before on this stream is the prepass of these inputs (see the
-    kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only."""
+    kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only. ``window``: (left, right)
+    from :func:`_window`, which ``cfg.local`` / ``cfg.causal`` match."""
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -186,7 +223,8 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            num_full, splits, addr(part), addr(count), int(pdl and count is None), *_strides16(q_int8, seqlen_q, Hq),
+            num_full, splits, addr(part), addr(count), int(pdl and count is None),
+            _NO_LEFT_EDGE if window[0] < 0 else window[0], max(window[1], 0), *_strides16(q_int8, seqlen_q, Hq),
             *_strides16(k_int8, seqlen_k, Hkv), *_strides16(None if v.dtype == torch.float8_e4m3fn else v, seqlen_k, Hkv),
             stream_handle(dev))
 
@@ -212,6 +250,7 @@ def prefill_int8(
     v_scale: Optional[torch.Tensor] = None,
     qk_balance: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    window_size: tuple = (-1, -1),
     _tuning: Optional[dict] = None,
     _pdl: bool = False,
 ):
@@ -233,6 +272,8 @@ def prefill_int8(
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
     fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
+    ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
     """
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
@@ -285,31 +326,34 @@ def prefill_int8(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
+    left, right = _window(_window_ints(window_size), bool(causal), Sq, Sk)
     if _check_arch(dev) == "sm_100a":
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
-        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
+        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning, window=_window_flags(left, right)[1])
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
         q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
-                           causal=bool(causal), softmax_scale=softmax_scale, granularity=granularity)
+                           causal=right >= 0, softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
     tuning = _tuning or {}  # _tuning: A/B overrides
-    long_tile = seqlen_tile_m(D, granularity, pv_dtype, bool(causal), "int8", Sk)
+    upper, local = _window_flags(left, right)
+    long_tile = seqlen_tile_m(D, granularity, pv_dtype, upper, "int8", Sk)
     if long_tile is not None and "tile_m" not in tuning:
         tuning = {**tuning, "tile_m": long_tile}
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=bool(causal), granularity=granularity,
-                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, **tuning)
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=upper, granularity=granularity,
+                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=local,
+                  **tuning)
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             None, None,
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
-            None if qk_balance is None else qk_balance.contiguous(), _pdl)
+            None if qk_balance is None else qk_balance.contiguous(), (left, right), _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -330,6 +374,7 @@ def prefill_int8_varlen(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     qk_balance: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
     _tuning: Optional[dict] = None,
     _pdl: bool = False,
 ):
@@ -341,7 +386,7 @@ def prefill_int8_varlen(
     LSE (num_heads, total_q). cu_seqlens contents are not read on the host (no sync): they must be
     non-decreasing, start at 0, end at the totals, and no sequence may exceed ``max_seqlen_q`` / ``max_seqlen_k``.
     ``q_scale=None``: ``q_int8`` is the unquantized Q in V's dtype, quantized inside the kernel (per_warp), as in
-    :func:`prefill_int8`; ``qk_balance`` (num_seqs, num_kv_heads, head_dim) as there.
+    :func:`prefill_int8`; ``qk_balance`` (num_seqs, num_kv_heads, head_dim) and ``window_size`` as there.
     """
     for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
         if not isinstance(t, torch.Tensor):
@@ -383,18 +428,22 @@ def prefill_int8_varlen(
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity=granularity,
-                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, **(_tuning or {}))
+    left, right = _window(_window_ints(window_size), bool(causal), max_seqlen_q, max_seqlen_k)
+    upper, local = _window_flags(left, right)
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=upper, granularity=granularity,
+                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=local,
+                  **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
             cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale, None,
-            None if qk_balance is None else qk_balance.contiguous(), _pdl)
+            None if qk_balance is None else qk_balance.contiguous(), (left, right), _pdl)
     return (out, lse) if return_lse else out
 
 
-def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float):
+def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float,
+                   window_size=(-1, -1)):
     """The unquantized A/B path of the same kernel (``qk_quant=None``): Q, K, V in one 16-bit dtype, fp32 scores.
     Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
     varlen = cu_q is not None
@@ -410,22 +459,25 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=bool(causal), granularity="per_block",
-                  varlen=varlen, qk_dtype="bf16")
+    left, right = _window(_window_ints(window_size), bool(causal), max_seqlen_q if varlen else q.shape[1],
+                          max_seqlen_k if varlen else k.shape[1])
+    upper, local = _window_flags(left, right)
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=upper, granularity="per_block",
+                  varlen=varlen, qk_dtype="bf16", local=local)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if varlen:
         num_seqs = cu_q.shape[0] - 1
         lse = torch.empty((Hq, q.shape[0]), dtype=torch.float32, device=q.device)
         _launch(cfg, q, k, v, out, lse, None, None, cu_q.contiguous(), cu_k.contiguous(), 1, num_seqs, q.shape[0],
-                k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale)
+                k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale, None, None, (left, right))
     else:
         B, Sq = q.shape[:2]
         if k.shape[0] != B:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
         _launch(cfg, q, k, v, out, lse, None, None, None, None, B, B, Sq, k.shape[1], Sq, Hq, Hkv, 0, 0,
-                softmax_scale)
+                softmax_scale, None, None, (left, right))
     return out, lse
 
 
@@ -462,13 +514,17 @@ def flash_attn_func(
     Q once (its column amax) and takes K's column ranges, and Q is quantized from ``q * qk_balance``.
     Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
 
+    ``window_size=(left, right)``: sliding-window (local) attention as in FlashAttention, query i sees keys
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 or None: unbounded on that side;
+    ``causal=True`` sets right to 0); the K/V tiles left of a query tile's windows are not read (SM90 only).
+
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
-    unchanged: ``dropout_p=0.0``, ``window_size=(-1, -1)`` (or ``(None, None)``), ``softcap=0.0``,
-    ``alibi_slopes=None``; anything else raises NotImplementedError (no sliding window, soft-capping, ALiBi or
-    dropout here). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
-    a fixed order).
+    unchanged: ``dropout_p=0.0``, ``softcap=0.0``, ``alibi_slopes=None``; anything else raises
+    NotImplementedError (no soft-capping, ALiBi or dropout here). ``deterministic`` is accepted either way: every
+    launch is deterministic (split units merge in a fixed order).
     """
     _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
@@ -482,10 +538,10 @@ def flash_attn_func(
         from .torch_ops import prefill_op
 
         out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype,
-                              qk_quant or "none", balance_qk)
+                              qk_quant or "none", balance_qk, *window)
     else:
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                          pv_dtype, qk_quant or "none", balance_qk)
+                                          pv_dtype, qk_quant or "none", balance_qk, window)
     return (out, lse) if return_lse else out
 
 
@@ -493,10 +549,7 @@ def _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, determinis
     """FlashAttention's keywords that qattn takes only at their "off" values (see :func:`flash_attn_func`)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise NotImplementedError(f"dropout_p: qattn's prefill is for inference; 0.0 only, got {dropout_p!r}")
-    ws = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    if ws is not None and ws not in ((-1, -1), (None, None)):
-        raise NotImplementedError(f"window_size: local (sliding-window) attention is not implemented; (-1, -1) only "
-                                  f"(causal=True for a causal mask), got {window_size!r}")
+    _window_ints(window_size)
     if softcap not in (0, None) or isinstance(softcap, bool):  # (0.0 == 0)
         raise NotImplementedError(f"softcap: score soft-capping is not implemented; 0.0 only, got {softcap!r}")
     if alibi_slopes is not None:
@@ -513,14 +566,16 @@ def _check_balance(balance_qk, qk_quant) -> None:
 
 
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                           pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False):
+                           pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1)):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
-        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
+        left, right = _window(tuple(window), causal, q.shape[1], k.shape[1])
+        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant,
+                             window=_window_flags(left, right)[1])
     if qk_quant == "none":
-        return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale)
+        return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale, window)
 
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
@@ -543,10 +598,10 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         vt, vs = quantize_v_fp8(v)
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                             return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
-                            _pdl=True)
+                            window_size=window, _pdl=True)
     # _pdl: the prepass launched just before (K only, or K then Q) lets the attention grid start early
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                        return_lse=True, qk_balance=lam, _pdl=True)
+                        return_lse=True, qk_balance=lam, window_size=window, _pdl=True)
 
 
 def flash_attn_varlen_func(
@@ -579,6 +634,7 @@ def flash_attn_varlen_func(
     FlashAttention's other keywords (``dropout_p``, ``window_size``, ...) as in :func:`flash_attn_func` (one
     balance per sequence)."""
     _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
@@ -593,24 +649,25 @@ def flash_attn_varlen_func(
 
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                     qk_quant or "none", balance_qk)
+                                     qk_quant or "none", balance_qk, *window)
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                                 qk_quant or "none", balance_qk)
+                                                 qk_quant or "none", balance_qk, window)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                                  qk_quant: str = "int8", balance_qk: bool = False):
+                                  qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1)):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
         _check_sm100_options(q.device, varlen=True)
     if qk_quant == "none":
-        return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                              window)
 
     lam = None
     if _kernel_quantizes_q(q, granularity):
@@ -627,7 +684,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                      warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                               return_lse=True, qk_balance=lam, _pdl=True)
+                               return_lse=True, qk_balance=lam, window_size=window, _pdl=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -655,11 +712,13 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 
 
 @register("prefill")
-def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool = False, **_) -> list:
+def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool = False,
+                      sliding_window: bool = False, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
     V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
     key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them. ``balance_qk``:
-    also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``)."""
+    also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``). ``sliding_window``: also
+    each one's ``window_size`` twin (``PrefillConfig.local``: a left window edge; the right one is ``causal``)."""
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
@@ -683,15 +742,23 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
                             cfgs.append((dataclasses.replace(cfg, tile_m=long_tm, intra_wg_overlap=None),
                                          label + f" tile_m {long_tm} (from {LONG_CAUSAL_KEYS} keys)"))
                         for cfg, label in cfgs:
-                            out.append(Variant("prefill", (arch,) + cfg.key, label,
-                                               lambda cfg=cfg: _build_prefill(cfg, arch)))
+                            twins = [(cfg, label)]
                             if balance_qk and gran == "per_warp":
-                                cfg = dataclasses.replace(cfg, balance_qk=True)
-                                out.append(Variant("prefill", (arch,) + cfg.key, label + " balance_qk",
-                                                   lambda cfg=cfg: _build_prefill(cfg, arch)))
+                                twins.append((dataclasses.replace(cfg, balance_qk=True), label + " balance_qk"))
+                            if sliding_window:
+                                twins += [(_local_twin(c), lab + " window") for c, lab in twins]
+                            out += [Variant("prefill", (arch,) + c.key, lab, lambda c=c: _build_prefill(c, arch))
+                                    for c, lab in twins]
                 for varlen in (False, True):  # qk_quant=None, the unquantized A/B path
                     cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity="per_block",
                                         varlen=varlen, qk_dtype="bf16")
                     label = f"D{d} {vd} {'causal' if causal else 'full'} qk-16bit{' varlen' if varlen else ''}"
-                    out.append(Variant("prefill", (arch,) + cfg.key, label, lambda cfg=cfg: _build_prefill(cfg, arch)))
+                    twins = [(cfg, label)] + ([(_local_twin(cfg), label + " window")] if sliding_window else [])
+                    out += [Variant("prefill", (arch,) + c.key, lab, lambda c=c: _build_prefill(c, arch))
+                            for c, lab in twins]
     return out
+
+
+def _local_twin(cfg: PrefillConfig) -> PrefillConfig:
+    """``cfg`` with a left window edge (``local``), as ``prefill_int8`` picks it for a ``window_size``."""
+    return dataclasses.replace(cfg, local=True, split_tail=False if not cfg.causal else cfg.split_tail)

@@ -25,8 +25,12 @@ _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
-                                tuning: Optional[dict] = None) -> None:
-    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
+                                tuning: Optional[dict] = None, window: bool = False) -> None:
+    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included).
+    ``window``: a sliding window (``window_size`` bounds other than a plain causal mask)."""
+    if window:
+        raise NotImplementedError("window_size: sliding-window attention is not implemented on SM100 (compute "
+                                  "capability 10.x) yet; window_size=(-1, -1) (causal=True for a causal mask)")
     if varlen:
         raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
                                   "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "

@@ -141,17 +141,19 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
 @torch.library.custom_op("qattn::prefill", mutates_args=())
 def prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str,
-               balance_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               balance_qk: bool = False, window_left: int = -1,
+               window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel; ``qk_quant`` "int8" or "none") as one op:
     returns (out, lse)."""
     from .prefill import _flash_attn_func_eager
 
     return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant,
-                                  balance_qk)
+                                  balance_qk, (window_left, window_right))
 
 
 @prefill_op.register_fake
-def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant, balance_qk=False):
+def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant, balance_qk=False, window_left=-1,
+      window_right=-1):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -160,17 +162,19 @@ def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant,
 def prefill_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                       softmax_scale: float, granularity: str, smooth_k: bool,
-                      qk_quant: str, balance_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      qk_quant: str, balance_qk: bool = False, window_left: int = -1,
+                      window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_varlen_func`` as one op: returns (out (total_q, Hq, D), lse (Hq, total_q))."""
     from .prefill import _flash_attn_varlen_func_eager
 
     return _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, granularity, smooth_k, qk_quant, balance_qk)
+                                         softmax_scale, granularity, smooth_k, qk_quant, balance_qk,
+                                         (window_left, window_right))
 
 
 @prefill_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, granularity,
-      smooth_k, qk_quant, balance_qk=False):
+      smooth_k, qk_quant, balance_qk=False, window_left=-1, window_right=-1):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)
 

@@ -24,13 +24,15 @@ def attention_reference(
     softmax_scale: float | None = None,
     kv_lens: torch.Tensor | None = None,
     return_lse: bool = False,
+    window_size: tuple = (-1, -1),
 ):
     """Dense attention in float64. q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA:
     query head h reads kv head h // (Hq // Hkv)).
 
     ``kv_lens`` (B,) limits each sequence's keys to its first kv_lens[b]. The causal mask is aligned to the
-    end (FlashAttention's convention): query i sees keys j <= i + len_k - Sq. A row that sees no key gives
-    out = 0 and lse = -inf. Returns out (B, Sq, Hq, D) float64 and, with ``return_lse``, the natural-log
+    end (FlashAttention's convention): query i sees keys j <= i + len_k - Sq. ``window_size=(left, right)``:
+    FlashAttention's sliding window, keys i + len_k - Sq - left <= j <= i + len_k - Sq + right (-1 or None:
+    unbounded; ``causal`` sets right to 0). A row that sees no key gives out = 0 and lse = -inf. Returns out (B, Sq, Hq, D) float64 and, with ``return_lse``, the natural-log
     LSE (B, Hq, Sq) of the scaled scores.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -51,10 +53,15 @@ def attention_reference(
     j = torch.arange(Sk, device=q.device)
     mask = j[None, :] < lens[:, None]  # B Sk
     mask = mask[:, None, None, :].expand(B, 1, Sq, Sk)
+    left, right = (-1 if w is None else int(w) for w in window_size)
     if causal:
-        i = torch.arange(Sq, device=q.device)
-        lim = i[None, :, None] + (lens[:, None, None] - Sq)  # B Sq 1
-        mask = mask & (j[None, None, :] <= lim)[:, None]
+        right = 0
+    i = torch.arange(Sq, device=q.device)
+    diag = i[None, :, None] + (lens[:, None, None] - Sq)  # B Sq 1: row i's diagonal key
+    if right >= 0:
+        mask = mask & (j[None, None, :] <= diag + right)[:, None]
+    if left >= 0:
+        mask = mask & (j[None, None, :] >= diag - left)[:, None]
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # B Hq Sq
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -114,6 +121,7 @@ def prefill_reference(
     warp_q: int = 16,
     block_k: int = 128,
     return_lse: bool = False,
+    window_size: tuple = (-1, -1),
 ):
     """Dense prefill attention in float64, optionally with SageAttention-style INT8 Q/K fake quantization.
 
@@ -121,9 +129,11 @@ def prefill_reference(
     :func:`qattn.quant.quantize_qk_int8_reference` does (K mean-smoothed first when ``smooth_k``), and the
     scores are the exact values ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` that an INT8 tensor
     core kernel computes before its softmax; P and V stay exact. ``qk_quant=None`` is plain attention.
+    ``window_size`` as in :func:`attention_reference`.
     """
     if qk_quant is None:
-        return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+        return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                   window_size=window_size)
     if qk_quant != "int8":
         raise ValueError(f"qk_quant: expected None or 'int8', got {qk_quant!r}")
     from ..quant.qk_int8 import quantize_qk_int8_reference
@@ -133,4 +143,5 @@ def prefill_reference(
     q_rows = warp_q if granularity == "per_warp" else block_q
     qd = q8.double() * _expand_rows(qs, q_rows, q.shape[1])  # exact in fp64: int8 x fp32
     kd = k8.double() * _expand_rows(ks, block_k, k.shape[1])
-    return attention_reference(qd, kd, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return attention_reference(qd, kd, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                               window_size=window_size)

@@ -54,12 +54,13 @@ def prefill_fp8pv_emulation(
     out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
     quantized: tuple | None = None,
+    window_size: tuple = (-1, -1),
 ):
     """Emulated output (B, Sq, Hq, D) in ``out_dtype`` (default q's dtype; ``torch.float64`` keeps it unrounded)
     and, with ``return_lse``, the natural-log LSE (B, Hq, Sq) fp64. q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D).
 
     ``quantized`` = (q_int8, q_scale, k_int8, k_scale, vt, v_scale) replaces step 1 (e.g. the GPU prepass's
-    outputs)."""
+    outputs). ``window_size``: FlashAttention's sliding window, as in ``qattn.reference.attention_reference``."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -86,8 +87,13 @@ def prefill_fp8pv_emulation(
     i = torch.arange(Sq, device=dev)[:, None]
     j_all = torch.arange(Sk, device=dev)[None, :]
     visible = j_all < Sk
+    left, right = (-1 if w is None else int(w) for w in window_size)
     if causal:
-        visible = visible & (j_all <= i + (Sk - Sq))  # Sq Sk
+        right = 0
+    if right >= 0:
+        visible = visible & (j_all <= i + (Sk - Sq) + right)  # Sq Sk
+    if left >= 0:
+        visible = visible & (j_all >= i + (Sk - Sq) - left)
 
     row_max = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64, device=dev)
     row_sum = torch.zeros(B, Hq, Sq, dtype=torch.float64, device=dev)

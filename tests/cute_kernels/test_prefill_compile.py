@@ -339,3 +339,35 @@ def test_split_tail_config_and_ptx():
     assert not ptx_has(split, "ld.local") and not ptx_has(split, "st.local"), "local arrays"
     # the merge stores O with the epilogue's 16-byte stores
     assert ptx_count(split, r"st\.global\.v4\.b32") == 2 * ptx_count(whole, r"st\.global\.v4\.b32") == 16
+
+
+@pytest.mark.parametrize("D,causal,varlen,pv,qk,tile_m", [(128, True, False, "bf16", "int8", None),
+                                                         (128, True, False, "bf16", "int8", 192),
+                                                         (64, False, False, "bf16", "int8", None),
+                                                         (128, True, False, "fp8", "int8", None),
+                                                         (128, True, True, "bf16", "int8", None),
+                                                         (64, True, False, "bf16", "bf16", None)])
+def test_sliding_window_variant_compiles(D, causal, varlen, pv, qk, tile_m):
+    """``local`` (window_size's left edge): its own key, no split tail, the same MMAs and loads, no local
+    memory in the PTX (ptxas spills of the 192-row variants are checked on the device, by timing)."""
+    kw = dict(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp" if qk == "int8" else "per_block",
+              varlen=varlen, pv_dtype=pv, qk_dtype=qk, quantize_q=qk == "int8")
+    if tile_m:
+        kw.update(tile_m=tile_m, intra_wg_overlap=False)
+    cfg, plain = PrefillConfig(**kw, local=True), PrefillConfig(**kw)
+    assert cfg.key != plain.key and "local" in cfg.key and not cfg.split_tail
+    ptx = _compile(cfg)
+    qk_mma = ("m64n128k32.satfinite.s32.s8.s8" if qk == "int8" else "m64n128k16.f32.bf16.bf16")
+    assert ptx_count(ptx, "wgmma.mma_async.sync.aligned." + qk_mma) == plain_count(plain, qk_mma)
+    assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+def plain_count(cfg, mma):
+    return ptx_count(_compile(cfg), "wgmma.mma_async.sync.aligned." + mma)
+
+
+def test_sliding_window_config():
+    with pytest.raises(ValueError, match="split_tail"):
+        PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", local=True, split_tail=True)
+    assert not PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", local=True).split_tail

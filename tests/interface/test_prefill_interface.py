@@ -79,17 +79,47 @@ def test_flash_attn_keywords_at_their_off_values(varlen):
 
     for off in (dict(dropout_p=0.0), dict(window_size=(-1, -1)), dict(window_size=(None, None)),
                 dict(window_size=[-1, -1]), dict(softcap=0.0), dict(softcap=None), dict(alibi_slopes=None),
-                dict(deterministic=True), dict(dropout_p=0, window_size=(-1, -1), softcap=0.0, deterministic=False)):
+                dict(deterministic=True), dict(dropout_p=0, window_size=(-1, -1), softcap=0.0, deterministic=False),
+                # sliding windows are implemented: these too fail only for want of a GPU
+                dict(window_size=(128, 0)), dict(window_size=(-1, 0)), dict(window_size=(3, 5)),
+                dict(window_size=(None, 2)), dict(window_size=[0, 0], causal=True)):
         with pytest.raises(ValueError, match="CUDA"):
             call(**off)
     for on, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(dropout_p=True), "dropout_p"),
-                     (dict(window_size=(128, 0)), "window_size"), (dict(window_size=(-1, 0)), "window_size"),
-                     (dict(window_size=4), "window_size"), (dict(softcap=30.0), "softcap"),
-                     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
+                     (dict(softcap=30.0), "softcap"), (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
         with pytest.raises(NotImplementedError, match=name):
             call(**on)
+    for bad in (4, (1, 2, 3), (-2, 0), (1.5, 0), (True, 0), ("8", 0), None):
+        with pytest.raises(ValueError, match="window_size"):
+            call(window_size=bad)
     with pytest.raises(TypeError, match="deterministic"):
         call(deterministic="yes")
+
+
+@pytest.mark.parametrize("causal,window,sq,sk,expect", [
+    (False, (-1, -1), 100, 300, (-1, -1)),
+    (True, (-1, -1), 100, 300, (-1, 0)),        # causal: right edge 0
+    (True, (64, 7), 100, 300, (64, 0)),         # causal overrides the right edge
+    (False, (64, 7), 100, 300, (64, 7)),
+    (False, (298, -1), 100, 300, (298, -1)),    # row 99 sees from key 299 - 298 = 1: key 0 cut
+    (False, (299, -1), 100, 300, (-1, -1)),     # row 99's window starts at key 0: no left edge at all
+    (False, (None, 98), 100, 300, (-1, 98)),    # row 0 sees up to key 200 + 98 = 298: key 299 cut
+    (False, (None, 99), 100, 300, (-1, -1)),    # row 0 sees key 299: no right edge
+    (True, (None, 99), 100, 300, (-1, 0)),
+])
+def test_window_bounds_that_cut_nothing_are_dropped(causal, window, sq, sk, expect):
+    """``_window``: FlashAttention's (left, right) with causal folded in; a bound no row reaches becomes -1 (the
+    plain kernels), checked against the reference mask (same output)."""
+    from qattn.interface.prefill import _window, _window_ints
+    from qattn.reference import attention_reference
+
+    got = _window(_window_ints(window), causal, sq, sk)
+    assert got == expect
+    q, k = torch.randn(1, sq, 1, 64, dtype=torch.float64), torch.randn(1, sk, 1, 64, dtype=torch.float64)
+    v = torch.randn(1, sk, 1, 64, dtype=torch.float64)
+    a = attention_reference(q, k, v, causal=causal, window_size=window)
+    b = attention_reference(q, k, v, window_size=got)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_warmup_lists_the_runtime_prefill_keys():
@@ -115,6 +145,15 @@ def test_warmup_lists_the_runtime_prefill_keys():
             assert ("sm_90a",) + cfg.key in keys
     # sm_100a: the SM100 kernel's 16 dense variants (tests/sm100/test_prefill_dispatch_sm100.py)
     assert len(enumerate_variants("prefill", "sm_100a")) == 16
+    # --sliding-window: every variant's twin with a left window edge (causal ones: the right edge too)
+    wkeys = {v.key for v in enumerate_variants("prefill", "sm_90a", sliding_window=True)}
+    assert len(wkeys) == 2 * len(keys) and keys < wkeys
+    for causal in (False, True):
+        for varlen, pv, gran, qk in ((False, "bf16", "per_warp", "int8"), (True, "bf16", "per_warp", "int8"),
+                                     (False, "fp8", "per_block", "int8"), (True, "bf16", "per_block", "bf16")):
+            cfg = PrefillConfig(head_dim=64, v_dtype="fp16", causal=causal, granularity=gran, varlen=varlen,
+                                pv_dtype=pv, qk_dtype=qk, quantize_q=gran == "per_warp", local=True)
+            assert ("sm_90a",) + cfg.key in wkeys
 
 
 @pytest.mark.compile

@@ -6,17 +6,20 @@ import torch
 from qattn.reference import attention_reference
 
 
-def naive(q, k, v, causal, scale, lens):
-    """Row-by-row softmax in Python: the slowest, most obvious version."""
+def naive(q, k, v, causal, scale, lens, window=(-1, -1)):
+    """Row-by-row softmax in Python: the slowest, most obvious version (``window``: FlashAttention's
+    window_size, spelled out from its docstring)."""
     B, Sq, Hq, D = q.shape
     g = Hq // k.shape[2]
     out = torch.zeros(B, Sq, Hq, D, dtype=torch.float64)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
+    left, right = window
     for b in range(B):
         L = int(lens[b])
         for h in range(Hq):
             for i in range(Sq):
-                keys = [j for j in range(L) if not causal or j <= i + L - Sq]
+                keys = [j for j in range(L) if (not causal or j <= i + L - Sq)
+                        and (right < 0 or j <= i + L - Sq + right) and (left < 0 or j >= i + L - Sq - left)]
                 if not keys:
                     continue
                 s = torch.stack([q[b, i, h].double() @ k[b, j, h // g].double() * scale for j in keys])
@@ -38,6 +41,23 @@ def test_matches_naive(causal, Sq, Hq, Hkv):
     lens = torch.tensor([9, 4])
     out, lse = attention_reference(q, k, v, causal=causal, kv_lens=lens, return_lse=True, softmax_scale=0.3)
     ref_out, ref_lse = naive(q, k, v, causal, 0.3, lens)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (2, 1)), (True, (3, -1)), (True, (0, 5)), (False, (-1, 0)),
+                                           (False, (4, -1)), (False, (0, 0)), (False, (-1, 3))])
+@pytest.mark.parametrize("Sq", [1, 5, 12])
+def test_sliding_window_matches_naive(causal, window, Sq):
+    g = torch.Generator().manual_seed(Sq + 7 * window[0])
+    B, Sk, D, Hq, Hkv = 2, 9, 16, 4, 2
+    q = torch.randn(B, Sq, Hq, D, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, generator=g)
+    lens = torch.tensor([9, 6])
+    out, lse = attention_reference(q, k, v, causal=causal, kv_lens=lens, return_lse=True, softmax_scale=0.3,
+                                   window_size=window)
+    ref_out, ref_lse = naive(q, k, v, causal, 0.3, lens, window)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
 

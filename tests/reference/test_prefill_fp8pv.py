@@ -87,6 +87,18 @@ def test_emulation_lse_and_masks(causal):
     assert _cos(o, ref) > 0.999
 
 
+@pytest.mark.parametrize("causal,window", [(True, (150, 0)), (False, (64, 100)), (False, (200, -1))])
+def test_emulation_sliding_window(causal, window):
+    # the window's masks as in the exact reference (same LSE tolerance as above); the tiles wholly left of a
+    # row's window add nothing (exp2(-inf) = 0), so skipping them, as the kernel does, changes nothing
+    q, k, v = fp8pv_inputs(2, 77, 333, 4, 2, 64, torch.bfloat16, seed=5)
+    o, lse = prefill_fp8pv_emulation(q, k, v, causal=causal, return_lse=True, window_size=window)
+    ref, ref_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", return_lse=True, window_size=window)
+    full = prefill_reference(q, k, v, causal=causal, qk_quant="int8")
+    assert torch.allclose(lse, ref_lse, atol=5e-4, rtol=0)
+    assert _cos(o, ref) > 0.999 and _cos(full, ref) < 0.99  # the window changed the output
+
+
 def test_emulation_rows_without_keys():
     q, k, v = fp8pv_inputs(1, 300, 100, 2, 2, 64, torch.bfloat16, seed=3)
     o, lse = prefill_fp8pv_emulation(q, k, v, causal=True, return_lse=True)

@@ -101,6 +101,10 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.flash_attn_func(q, k, v, pv_dtype="fp8")
     with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
         qattn.flash_attn_func(q, k, v, qk_quant=None)
+    monkeypatch.setattr(ql, "quantize_k_int8", no_prepass)
+    for causal, ws in ((True, (64, 0)), (False, (-1, 3)), (False, (30, 30))):
+        with pytest.raises(NotImplementedError, match="window_size: sliding-window attention is not implemented on"):
+            qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
         qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
@@ -108,11 +112,23 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
     q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k)
     with pytest.raises(ValueError, match="SM90 kernel knobs"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, _tuning={"kv_stages": 3})
+    with pytest.raises(NotImplementedError, match="window_size"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(100, 0))
     with pytest.raises(NotImplementedError, match="varlen"):
         qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
                                                     torch.tensor([0, 200], dtype=torch.int32),
                                                     torch.tensor([0, 300], dtype=torch.int32), 200, 300)
     assert calls == []
+
+
+def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):
+    calls = gpu((10, 0))
+    q, k, v = _qkv()
+    qattn.flash_attn_func(q, k, v, causal=True, window_size=(299, 5))  # left >= Sk - 1, right: causal
+    qattn.flash_attn_func(q, k, v, window_size=(None, 199))  # right >= Sq - 1
+    qattn.flash_attn_func(q, k, v, window_size=(-1, 0))  # right 0: the causal mask itself
+    assert [c[0] for c in calls] == ["sm100"] * 3
+    assert [c[1].causal for c in calls] == [True, False, True]
 
 
 def test_sm100_variants_are_the_launcher_keys():

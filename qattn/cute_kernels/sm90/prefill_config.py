@@ -195,6 +195,11 @@ class PrefillConfig:
     # dense non-causal: a 1-D grid whose last, partial wave of units may be split over K/V ranges (runtime plan
     # ``split_tail_plan``; the last split CTA of a unit merges). None: on for dense non-causal grids.
     split_tail: Optional[bool] = None
+    # sliding-window (local) attention, FlashAttention's ``window_size``: keys left of row i's window, j < i +
+    # seqlen_k - seqlen_q - window_left (runtime ``window_left``; a huge one for a window with a right edge only),
+    # are masked and the K/V tiles wholly left of a CTA's windows never loaded; with ``causal`` the right edge
+    # moves to j <= i + seqlen_k - seqlen_q + window_right (runtime). Without it the window arguments are unused.
+    local: bool = False
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -213,9 +218,10 @@ class PrefillConfig:
         if self.intra_wg_overlap is None:
             object.__setattr__(self, "intra_wg_overlap", default_intra_wg_overlap(self.head_dim, self.tile_m))
         if self.split_tail is None:
-            object.__setattr__(self, "split_tail", not (self.causal or self.varlen))
-        if self.split_tail and (self.causal or self.varlen):
-            raise ValueError("split_tail: only dense non-causal grids (equal work per CTA) split their last wave")
+            object.__setattr__(self, "split_tail", not (self.causal or self.varlen or self.local))
+        if self.split_tail and (self.causal or self.varlen or self.local):
+            raise ValueError("split_tail: only dense non-causal, non-local grids (equal work per CTA) split their "
+                             "last wave")
         if self.tile_n != BLOCK_K or self.tile_m not in (BLOCK_Q, 3 * 64):
             raise ValueError("tile_m / tile_n: the prepass block sizes fix them to 128 x 128 (tile_m 192 with "
                              f"per_warp q scales), got {self.tile_m} x {self.tile_n}")
@@ -256,7 +262,7 @@ class PrefillConfig:
         flags = tuple(name for name, on in (("balance_qk", self.balance_qk), ("early_kv_wait", self.early_kv_wait),
                                             ("bias_in_acc", self.bias_in_acc),
                                             ("serial_wg", not self.intra_wg_overlap),
-                                            ("split_tail", self.split_tail))
+                                            ("split_tail", self.split_tail), ("local", self.local))
                       if on)
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,

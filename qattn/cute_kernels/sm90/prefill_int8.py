@@ -25,7 +25,11 @@ Why the scale granularity matches the tiles: wgmma's accumulator gives warp w of
 Masks: keys >= seqlen_k (TMA zero-fills the ragged last tile, the scores are then set to -inf) and, with
 ``causal``, FlashAttention's bottom-right alignment: query i sees keys j <= i + seqlen_k - seqlen_q. A row that
 sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored. A causal CTA reads the K/V tiles its last
-rows see; a warpgroup whose 64 rows see fewer computes only those and keeps its turns for the rest.
+rows see; a warpgroup whose 64 rows see fewer computes only those and keeps its turns for the rest. Sliding
+window (FlashAttention's ``window_size``, ``local``, runtime ``window_left`` / ``window_right``): keys j >= i +
+seqlen_k - seqlen_q - window_left, and with ``causal`` j <= i + seqlen_k - seqlen_q + window_right; the CTA
+starts at the tile of its first row's first key, as a split CTA does (k scales and mask columns from there on).
+Without ``local`` the window arguments are not read.
 
 Split tail (``PrefillConfig.split_tail``, dense non-causal): a 1-D grid whose units (query tile, head, sequence)
 past ``num_full_units`` run as ``tail_splits`` CTAs over contiguous K/V ranges each; those write fp32 partials,
@@ -261,7 +265,7 @@ class QKInt8PrefillSm90:
         batch: Int32, num_seqs: Int32, seqlen_q: Int32, seqlen_k: Int32, max_seqlen_q: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32,
-        part_addr: Int64, count_addr: Int64, pdl: Int32,
+        part_addr: Int64, count_addr: Int64, pdl: Int32, window_left: Int32, window_right: Int32,
         q_row16: Int32, q_head16: Int32, q_batch16: Int32, k_row16: Int32, k_head16: Int32, k_batch16: Int32,
         v_row16: Int32, v_head16: Int32, v_batch16: Int32, stream: cuda.CUstream,
     ):
@@ -376,9 +380,10 @@ class QKInt8PrefillSm90:
                 seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2)
         split = (num_full_units, tail_splits, part_addr, count_addr)
         if cutlass.const_expr(self.fp8):
-            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group, *split)
+            launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group, *split, window_left,
+                                       window_right)
         else:
-            launcher = self.kernel(*args, qk_balance_addr, lpt_group, *split)
+            launcher = self.kernel(*args, qk_balance_addr, lpt_group, *split, window_left, window_right)
         grid = (num_m_blocks, num_heads, num_seqs)
         if cutlass.const_expr(cfg.split_tail):  # 1-D: whole waves of units, then the split units' CTAs
             grid = (num_full_units + (num_m_blocks * num_heads * num_seqs - num_full_units) * tail_splits, 1, 1)
@@ -402,13 +407,14 @@ class QKInt8PrefillSm90:
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32, part_addr: Int64,
-        count_addr: Int64,
+        count_addr: Int64, window_left: Int32, window_right: Int32,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
-                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr))
+                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr),
+                   (window_left, window_right))
 
     @cute.kernel
     def kernel_fp8(
@@ -421,19 +427,21 @@ class QKInt8PrefillSm90:
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32,
-        num_full_units: Int32, tail_splits: Int32, part_addr: Int64, count_addr: Int64,
+        num_full_units: Int32, tail_splits: Int32, part_addr: Int64, count_addr: Int64, window_left: Int32,
+        window_right: Int32,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr))
+                   qk_balance_addr, lpt_group, (num_full_units, tail_splits, part_addr, count_addr),
+                   (window_left, window_right))
 
     @cute.jit
     def _body(self, mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
               sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q, seqlen_k,
               num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
-              qk_balance_addr, lpt_group, split_args):
+              qk_balance_addr, lpt_group, split_args, window):
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -460,16 +468,23 @@ class QKInt8PrefillSm90:
             b_t, q_start, k_start = Int32(0), cu_q[b], cu_k[b]
             len_q, len_k = cu_q[b + 1] - q_start, cu_k[b + 1] - k_start
 
-        # Keys this tile reads: all of them, or (causal) up to the last row's diagonal; none for a tile past
-        # the end of its sequence (varlen grids are sized for the longest one).
+        # Keys this tile reads: all of them, or (causal) up to the last row's diagonal (+ window_right), and
+        # (local) from the first row's window start on; none for a tile past the end of its sequence (varlen
+        # grids are sized for the longest one).
+        window_left, window_right = window
         n_blocks = (len_k + TN - 1) // TN
-        kb0 = None  # split_tail: this CTA's first K/V tile
+        kb0 = None  # split_tail / local: this CTA's first K/V tile
         if cutlass.const_expr(cfg.split_tail):
             kb0 = split * n_blocks // ns
             n_blocks = (split + 1) * n_blocks // ns - kb0
         if cutlass.const_expr(cfg.causal):
             last_key = cutlass.min(len_k, (m_block + 1) * TM + len_k - len_q)
+            if cutlass.const_expr(cfg.local):
+                last_key = cutlass.min(len_k, (m_block + 1) * TM + len_k - len_q + window_right)
             n_blocks = cutlass.max(last_key + TN - 1, 0) // TN
+        if cutlass.const_expr(cfg.local):  # the tiles wholly left of every row's window are never loaded
+            kb0 = cutlass.min(cutlass.max(m_block * TM + len_k - len_q - window_left, 0) // TN, n_blocks)
+            n_blocks = n_blocks - kb0
         if m_block * TM >= len_q:
             n_blocks = 0
 
@@ -548,16 +563,17 @@ class QKInt8PrefillSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tail_args = None
-            if cutlass.const_expr(cfg.split_tail):
-                # a split CTA sees keys [kb0 * TN, ...): its tiles' k scales and mask columns start there
+            if cutlass.const_expr(kb0 is not None):
+                # a split (or local) CTA sees keys [kb0 * TN, ...): its tiles' k scales and mask columns start there
                 k_scale_addr = k_scale_addr + Int64(kb0) * 4
                 len_k = len_k - kb0 * TN
+            if cutlass.const_expr(cfg.split_tail):
                 tail_args = (tail, ns, split_args, storage.tail_flag.data_ptr())
             self._consume(mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr,
                           q_scale_addr, k_scale_addr, tidx - 128, m_block, h, h_kv, b, n_blocks, len_q, len_k,
                           (b_t * seqlen_q + q_start), seqlen_q, num_heads, num_kv_heads, num_q_groups, num_k_blocks,
                           scale_log2, mma_pv0, v_scale_addr, q_words, sQin_layout, sQ_layout, qk_balance_addr,
-                          bias_addr, tail_args)
+                          bias_addr, window, tail_args)
 
     @cute.jit
     def _split_position(self, seqlen_q: Int32, num_heads: Int32, split_args):
@@ -597,9 +613,10 @@ class QKInt8PrefillSm90:
     def _consume(self, mma_qk, mma_qk_acc, mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, o_addr, lse_addr, q_scale_addr,
                  k_scale_addr, ctid, m_block, h, h_kv, b, n_blocks, seqlen_q, seqlen_k, q_row0, lse_stride,
                  num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr, q_words,
-                 sQin_layout, sQ_layout, qk_balance_addr, bias_addr, tail_args=None):
-        """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths, ``q_row0`` its first row
-        in the (rows, heads, dim) output, ``lse_stride`` the rows of one head in the LSE tensor."""
+                 sQin_layout, sQ_layout, qk_balance_addr, bias_addr, window, tail_args=None):
+        """The MMA warpgroups. ``seqlen_q`` / ``seqlen_k`` are this sequence's lengths (keys from this CTA's
+        first tile on), ``q_row0`` its first row in the (rows, heads, dim) output, ``lse_stride`` the rows of one
+        head in the LSE tensor, ``window`` = (window_left, window_right) (``local`` / ``causal``)."""
         cfg, D, vdt = self.cfg, self.D, self.v_dtype
         TM, TN = cfg.tile_m, cfg.tile_n
         gmem = cute.AddressSpace.gmem
@@ -667,7 +684,13 @@ class QKInt8PrefillSm90:
                                    cute.make_layout(1 << 30))
             ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
             qs_log2 = q_scale * scale_log2
-        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+        # causal: row i sees keys j <= i + diag; local: keys j >= i + diag - window_left - window_right too
+        # (``mask_diag``: what ``_scores`` takes, diag or (diag, window): the lower bound's offset is recomputed
+        # from the kernel's window arguments where it is used, which costs no register across the loop)
+        diag = seqlen_k - seqlen_q
+        if cutlass.const_expr(cfg.causal and cfg.local):
+            diag = diag + window[1]
+        mask_diag = (diag, window) if cfg.local else diag
 
         # The fp32 scores live in the registers of the int32 accumulator (converted in place): the next QK^T
         # overwrites them only after P has been taken out of them.
@@ -698,7 +721,7 @@ class QKInt8PrefillSm90:
             self._turn_done(self._next_wg(wg))
             warpgroup.wait_group(0)
             k_pipe.consumer_release(st)
-            self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, diag)
+            self._scores(acc_s, s, tScS, 0, m_block, seqlen_k, mask_diag)
             if cutlass.const_expr(early):
                 k_tok = _landed(k_pipe, _consumer_state(cutlass.min(1, n_blocks - 1), cfg.kv_stages))
                 v_tok = _landed(v_pipe, st)
@@ -715,7 +738,7 @@ class QKInt8PrefillSm90:
             wg_end = cutlass.min(seqlen_k, m_block * TM + 64 * cute.arch.make_warp_uniform(wg) + 64 + diag)
             n_mine = cutlass.min(n_blocks, cutlass.max(cutlass.max(wg_end, 0) + TN - 1, TN) // TN)
         tile_args = (mma_qk, mma_qk_acc, mma_pv, mma_pv0, acc_s, s, tSrQ, tSrK, tOrV, acc_o, acc_t, k_pipe, v_pipe,
-                     tScS, s_rc, o_rc, m_block, seqlen_k, diag, n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr,
+                     tScS, s_rc, o_rc, m_block, seqlen_k, mask_diag, n_mine, qs_log2, mKS, ks_base, row_max, row_sum, corr,
                      wg, bias_addr)
         for n in cutlass.range(1, n_mine, unroll=1):
             if cutlass.const_expr(cfg.intra_wg_overlap):
@@ -1194,6 +1217,10 @@ class QKInt8PrefillSm90:
         cfg, TM, TN = self.cfg, self.cfg.tile_m, self.cfg.tile_n
         if cutlass.const_expr(self.int8_qk and not self.bias_in_acc):  # (bf16 QK: fp32 already, bias 0)
             acc_s.store(acc_s.load() + Int32(0x4B400000))
+        diag_lo = None
+        if cutlass.const_expr(cfg.local):
+            diag, (window_left, window_right) = diag
+            diag_lo = diag - window_left - (window_right if cfg.causal else 0)
         # keys < key_end(r) are visible to row r; masking is needed when the tile's last key is not visible
         # to its first row
         first_row_end = seqlen_k
@@ -1207,6 +1234,15 @@ class QKInt8PrefillSm90:
                     key_end = cutlass.min(seqlen_k, m_block * TM + r + diag + 1)
                 if col0 + c >= key_end:
                     s[i] = -Float32.inf
+        # local: keys >= r + diag_lo are visible to row r; a second pass when the tile's first key is not
+        # visible to its last row (one pass for both edges needs more registers: ptxas spilled in the loop)
+        if cutlass.const_expr(cfg.local):
+            row_lo = m_block * TM + diag_lo - col0  # row r sees the tile's columns c >= r + row_lo
+            if TM - 1 + row_lo > 0:
+                for i in cutlass.range(cute.size(s), unroll_full=True):
+                    r, c = tScS[i]
+                    if c < r + row_lo:
+                        s[i] = -Float32.inf
 
     @cute.jit
     def _softmax(self, s, s_rc, scale, row_max, row_sum, corr):
