@@ -18,6 +18,7 @@ from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .variants import cache_for, kernel_arch
+from .window import kernel_edges, window_bounds, window_flags, window_ints
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -37,14 +38,15 @@ def _tile_n(cache: PagedKVCache) -> int:
     return tile_n_for(cache.k_format, cache.v_format)
 
 
-def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool):
+def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool,
+                      window: bool = False):
     """The :class:`DecodeConfig` a call with these parameters uses (``decode_config.choose_config``, which
     ``qattn-warmup`` uses too)."""
     from ..cute_kernels.sm90.decode_config import choose_config
 
     return choose_config(cache.k_format, cache.v_format, cache.head_dim, cache.page_size, q_dtype, group,
                          seqlen_q, causal, split, ring_window=cache.recent_window,
-                         ring_dtype=_dtype_name(cache.dtype), sink_tokens=cache.sink_tokens)
+                         ring_dtype=_dtype_name(cache.dtype), sink_tokens=cache.sink_tokens, window=window)
 
 
 def decode_cache_key(arch: str, cfg) -> tuple:
@@ -119,12 +121,16 @@ def _flash_attn_with_kvcache_eager(
     num_splits: int = 0,
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
 ):
     """Attention of ``q`` (batch, seqlen_q, num_heads, head_dim) over the paged cache, FlashAttention style.
 
     ``cache_seqlens`` (batch,) int32 and ``block_table`` (batch, max_blocks) int32 live on q's device: token t of
     sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
-    (query i sees keys j <= i + len - seqlen_q). ``num_splits`` = 0 picks the split-KV count from host-known sizes.
+    (query i sees keys j <= i + len - seqlen_q). ``window_size=(left, right)``: FlashAttention's sliding window,
+    query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
+    0); the pages left of the window are not read (caches without a recent-token ring or sink tokens; SM90).
+    ``num_splits`` = 0 picks the split-KV count from host-known sizes.
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
 
     Caches with a recent-token window W need ``seq_slots`` (batch,) int32, the ring slot of each batch row: the
@@ -184,6 +190,13 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table
+    left, right = window_bounds(window_ints(window_size), bool(causal), Sq, max_len)
+    upper, windowed = window_flags(left, right)
+    if windowed and (cache.recent_window or cache.sink_tokens):
+        raise ValueError(f"window_size: a sliding window over a cache with a recent-token ring or sink tokens "
+                         f"(recent_window={cache.recent_window}, sink_tokens={cache.sink_tokens}) is not "
+                         f"implemented; got {tuple(window_size)}")
     if q.numel() >= 2**31 // max(1, num_splits or 1):
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     if out is not None:
@@ -197,8 +210,11 @@ def _flash_attn_with_kvcache_eager(
     if arch == "sm_100a":  # --- SM100 dispatch hook (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100
 
+        if windowed:
+            raise NotImplementedError("window_size: sliding-window decode is not implemented on SM100 (compute "
+                                      "capability 10.x) yet; window_size=(-1, -1)")
         return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
-                                             softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                             softmax_scale=softmax_scale, causal=upper, num_splits=num_splits,
                                              return_lse=return_lse, out=out)
 
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
@@ -207,10 +223,10 @@ def _flash_attn_with_kvcache_eager(
     if num_splits == 0:
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        num_splits = num_splits_heuristic(B, H, block_table.shape[1] * cache.page_size, _NUM_SMS[dev],
-                                          tile_n=_tile_n(cache))
+        context = max_len if left < 0 else min(max_len, left + Sq + _tile_n(cache))  # the keys a window reads
+        num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=_tile_n(cache))
     split = num_splits > 1
-    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, causal, split)
+    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, upper, split, windowed)
 
     q = q.contiguous()
     block_table = block_table.contiguous()
@@ -235,7 +251,7 @@ def _flash_attn_with_kvcache_eager(
                    addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
                    addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots), addr(lay.k_sink), addr(lay.v_sink),
                    B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
-                   softmax_scale * math.log2(math.e), stream)
+                   softmax_scale * math.log2(math.e), *kernel_edges(left, right), stream)
         if split:
             fast(comb)(addr(o_part), addr(l_part), addr(out), addr(lse), B, Sq, Hq, num_splits, stream)
     return (out, lse) if return_lse else out
@@ -244,20 +260,21 @@ def _flash_attn_with_kvcache_eager(
 _KERNELS: dict = {}
 
 
-def _kernels(arch: str, cache: PagedKVCache, qd: str, group: int, seqlen_q: int, causal: bool, split: bool):
+def _kernels(arch: str, cache: PagedKVCache, qd: str, group: int, seqlen_q: int, causal: bool, split: bool,
+             window: bool = False):
     """(decode kernel, combine kernel or None) of a call, memoized on the host-known facts that choose them so
     that a repeated call skips building its config and cache keys (the eager launch cost)."""
     from ..cute_kernels.sm90.decode_config import tuning_from_env
 
     memo_key = (arch, cache.k_format, cache.v_format, cache.head_dim, cache.page_size, cache.recent_window,
-                cache.sink_tokens, cache.dtype, qd, group, seqlen_q, bool(causal), split, tuning_from_env())
+                cache.sink_tokens, cache.dtype, qd, group, seqlen_q, bool(causal), split, window, tuning_from_env())
     hit = _KERNELS.get(memo_key)
     if hit is not None:
         return hit
     from ..cute_kernels.combine import CombineSplits, combine_cache_key
     from ..cute_kernels.sm90.decode import DecodeSm90
 
-    cfg = decode_config_for(cache, qd, group, seqlen_q, causal, split)
+    cfg = decode_config_for(cache, qd, group, seqlen_q, causal, split, window)
     kern = _get("decode", decode_cache_key(arch, cfg), lambda: DecodeSm90(cfg), decode_compile_args())
     ck = None
     if split:
@@ -280,6 +297,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
 ):
     # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T (one fp32
     # matrix product each way with the cache's dense R).
@@ -289,11 +307,11 @@ def flash_attn_with_kvcache(
         q, out = rotate_query_dense(q, rot), None
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
-                                  return_lse, out, seq_slots=seq_slots)
+                                  return_lse, out, seq_slots=seq_slots, window_size=window_ints(window_size))
     else:
         res = _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                              softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                             return_lse=return_lse, out=out)
+                                             return_lse=return_lse, out=out, window_size=window_size)
     if rot is None:
         return res
     o, lse = res if return_lse else (res, None)

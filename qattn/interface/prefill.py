@@ -23,6 +23,7 @@ from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LON
                                                lpt_group, seqlen_tile_m, split_tail_plan)
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
+from .window import kernel_edges, window_bounds as _window, window_flags as _window_flags, window_ints as _window_ints
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
 
@@ -138,39 +139,6 @@ def _softmax_scale(softmax_scale, D: int) -> float:
     return softmax_scale
 
 
-def _window_ints(window_size) -> tuple[int, int]:
-    """FlashAttention's ``window_size`` as two ints >= -1 (None: -1, unbounded); raises on anything else."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
-    ws = tuple(-1 if w is None else w for w in window_size)
-    if any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in ws):
-        raise ValueError(f"window_size: expected ints >= -1 (or None), -1 meaning unbounded, got {window_size!r}")
-    return ws
-
-
-@functools.lru_cache(maxsize=4096)
-def _window(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
-    """(left, right) bounds of the keys each query sees (FlashAttention: query i sees keys j with i + seqlen_k -
-    seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 = unbounded; ``causal`` sets right to 0). A bound
-    that no row of any sequence up to these lengths reaches becomes -1, which changes no output (and keeps the
-    plain causal / full kernels for windows longer than the sequences)."""
-    left, right = _window_ints(window_size)
-    if causal:
-        right = 0
-    if left >= max_seqlen_k - 1:  # row Sq - 1's bound Sk - 1 - left <= 0: every key from the first on
-        left = -1
-    if not causal and right >= max_seqlen_q - 1:  # row 0's bound Sk - Sq + right >= Sk - 1: every key to the last
-        right = -1
-    return left, right
-
-
-def _window_flags(left: int, right: int) -> tuple[bool, bool]:
-    """(``PrefillConfig.causal``, ``.local``) of a :func:`_window` result: a right edge is the causal bound (right 0:
-    the causal mask itself, whatever ``causal`` said), moved by ``window_right`` in a local kernel; ``local`` for
-    any edge a plain causal / full kernel lacks."""
-    return right >= 0, left >= 0 or right > 0
-
-
 def _out(out, dtype, shape, dev) -> torch.Tensor:
     """The caller's ``out`` (checked) or a new output tensor."""
     if out is None:
@@ -191,8 +159,6 @@ def _check_qkv_16bit(q, k, v) -> None:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-# the kernel's window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
-_NO_LEFT_EDGE = 1 << 30
 _lpt_group = functools.lru_cache(maxsize=4096)(lpt_group)  # per argument tuple: no Python work per call
 _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
@@ -223,8 +189,8 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            num_full, splits, addr(part), addr(count), int(pdl and count is None),
-            _NO_LEFT_EDGE if window[0] < 0 else window[0], max(window[1], 0), *_strides16(q_int8, seqlen_q, Hq),
+            num_full, splits, addr(part), addr(count), int(pdl and count is None), *kernel_edges(*window),
+            *_strides16(q_int8, seqlen_q, Hq),
             *_strides16(k_int8, seqlen_k, Hkv), *_strides16(None if v.dtype == torch.float8_e4m3fn else v, seqlen_k, Hkv),
             stream_handle(dev))
 

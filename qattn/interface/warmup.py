@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--balance-qk", action="store_true",
                    help="prefill: also the kernels of balance_qk=True (channel balancing of the INT8 Q/K prepass)")
     p.add_argument("--sliding-window", action="store_true",
-                   help="prefill: also the kernels of window_size (sliding-window attention, causal or not)")
+                   help="prefill, decode: also the kernels of window_size (sliding-window attention)")
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")
     p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")

@@ -81,6 +81,7 @@ def paged_decode_reference(
     causal: bool = True,
     seq_slots: torch.Tensor | None = None,
     return_lse: bool = False,
+    window_size: tuple = (-1, -1),
 ):
     """Attention of q (batch, seqlen_q, num_heads, head_dim) over a paged cache, in float64.
 
@@ -88,7 +89,8 @@ def paged_decode_reference(
     (caches with a recent window or sink tokens) the unquantized rows where attention reads them
     (``qattn.layouts.paged.read_sources``): the first ``min(sink_tokens, len)`` positions from the sink buffer,
     ``[max(sink_tokens, len - W), len)`` from the ring, the rest from the pages.
-    Arguments follow ``flash_attn_with_kvcache``; the causal mask is aligned to the end of the cache.
+    Arguments follow ``flash_attn_with_kvcache``; the causal mask (and ``window_size``) is aligned to the end of
+    the cache.
     """
     if q.dim() != 4 or q.shape[3] != cache.head_dim:
         raise ValueError(f"q: expected (batch, seqlen_q, num_heads, {cache.head_dim}), got {tuple(q.shape)}")
@@ -99,7 +101,7 @@ def paged_decode_reference(
     k, v = flatten_kv_reference(cache, layer, block_table, cache_seqlens, seq_slots=seq_slots,
                                 dtype=torch.float64)
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               kv_lens=cache_seqlens, return_lse=return_lse)
+                               kv_lens=cache_seqlens, return_lse=return_lse, window_size=window_size)
 
 
 def _expand_rows(scale: torch.Tensor, rows_per_group: int, seqlen: int) -> torch.Tensor:

@@ -396,3 +396,31 @@ def test_tile_schedule_covers_each_position_once_from_the_reference_source(W, TN
 @pytest.mark.parametrize("page", [16, 64, 256])
 def test_sink_tile_schedule_reads_each_position_once_from_the_reference_source(N, W, TN, TR, page):
     _check_schedule(W, TN, TR, page, N)
+
+
+# sliding window (flash_attn_with_kvcache's window_size): narrow and wide layouts, split, row-scaled formats
+WINDOW = [("nvfp4", "nvfp4", 128, "bf16", 4, 1, 16, True, False), ("int8", "nvfp4", 64, "f16", 8, 4, 64, True, True),
+          ("fp8", "fp8", 128, "bf16", 16, 16, 128, False, True), ("bf16", "bf16", 64, "bf16", 1, 1, 32, True, False)]
+
+
+@pytest.mark.parametrize("kf,vf,D,qd,group,sq,page,causal,split", WINDOW)
+def test_window_variant_compiles(kf, vf, D, qd, group, sq, page, causal, split):
+    rows = group * sq
+    kw = dict(m_blocks=m_blocks_for(rows), narrow=rows <= NARROW_ROWS)
+    cfg = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(rows), page, causal, split,
+                       window=True, **kw)
+    plain = DecodeConfig(kv_format(kf), kv_format(vf), D, qd, group, row_tiles_for(rows), page, causal, split, **kw)
+    assert cfg.key != plain.key and "window" in cfg.key
+    _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+    _check_ptx(cfg, ptx)
+    _, ptx_plain = compile_for_arch(DecodeSm90(plain), *decode_compile_args(), arch="sm_90a")
+    # the window adds compares to the score mask: same MMAs and loads
+    for pat in (r"mma\.sync\.aligned\.m16n8k16", r"cp\.async\.cg\.shared\.global"):
+        assert ptx_count(ptx, pat) == ptx_count(ptx_plain, pat)
+
+
+def test_window_config_rejects_ring_and_sink():
+    for kw in (dict(ring_window=64), dict(sink_tokens=4)):
+        with pytest.raises(ValueError, match="window"):
+            DecodeConfig(kv_format("nvfp4"), kv_format("nvfp4"), 128, "bf16", 4, 1, 16, True, False, window=True,
+                         **kw)

@@ -46,6 +46,35 @@ def test_decode_step_traces_into_custom_ops_without_breaks():
     assert any("qattn.write_kv" in t for t in targets) and any("qattn.paged_decode" in t for t in targets)
 
 
+def test_windowed_steps_trace_with_their_window():
+    """window_size reaches the decode and prefill ops as two ints (one graph, no break)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    cache = qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([4, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    qp = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
+    kp = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+
+    def step(q, lens, table, qp, kp):
+        return (qattn.flash_attn_with_kvcache(q, cache, lens, table, window_size=(16, 0)),
+                qattn.flash_attn_func(qp, kp, kp, causal=True, window_size=(32, 0)))
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=record)(q, lens, table, qp, kp)
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "qattn" in str(n.target)]
+    decode = next(n for n in calls if "paged_decode" in str(n.target))
+    prefill = next(n for n in calls if "qattn.prefill" in str(n.target))
+    assert tuple(decode.args[-2:]) == (16, 0) and tuple(prefill.args[-2:]) == (32, 0)
+
+
 def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -123,11 +123,13 @@ def test_warmed_keys_equal_runtime_keys(monkeypatch, fmt, window, dtype):
             for group, sq in ((1, 1), (8, 4), (16, 16)):
                 for split in (False, True):
                     idec._kernels("sm_90a", cache, dtype, group, sq, True, split)
+                    if not window:  # window_size (sliding-window decode): caches without a ring only
+                        idec._kernels("sm_90a", cache, dtype, group, sq, True, split, True)
     warm = set()
     for kind in ("decode", "combine"):
         warm |= {(kind, v.key) for v in variants.enumerate_variants(
             kind, "sm_90a", kv_formats=[name], head_dims=[64, 128], gqa=[1, 8, 16], page_sizes=[16, 128],
-            seqlen_q=[1, 4, 16], recent_windows=[window], q_dtypes=[dtype])}
+            seqlen_q=[1, 4, 16], recent_windows=[window], q_dtypes=[dtype], sliding_window=True)}
     assert asked and {k for k, _ in asked} == {"decode", "combine"}
     missing = [k for k in asked if k not in warm]
     assert not missing, missing

@@ -44,3 +44,22 @@ def test_sm100_config_limits():
     with pytest.raises(ValueError, match="sink"):
         sm100_config_for(PagedKVCache(1, 8, 16, 2, 128, "nvfp4", sink_tokens=1, max_seqs=2), "bf16", 4, 1,
                          True, False)
+
+
+def test_sm100_decode_window_raises_before_any_launch(monkeypatch):
+    import qattn.interface.decode_sm100 as d100
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: "sm100")
+    cache = PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([4, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="window_size: sliding-window decode is not implemented on SM100"):
+        dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(16, 0))
+    # no window, or one longer than the block table holds: the SM100 kernel
+    assert dec.flash_attn_with_kvcache(q, cache, lens, table) == "sm100"
+    assert dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(47, 0)) == "sm100"
+    with pytest.raises(ValueError, match="window_size"):
+        dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(-3, 0))

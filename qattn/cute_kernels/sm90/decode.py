@@ -65,6 +65,11 @@ Data path (no flatten-to-bf16 pass anywhere):
   once per CTA at its first bf16 tile, exactly as with the ring alone (the sink tile, in the split before the
   ring tiles, is one more such tile).
 
+* Sliding window (``cfg.window``, caches without ring or sink; runtime ``window_left`` / ``window_right``): row
+  i_q sees positions [len - Sq + i_q - window_left, len - Sq + i_q + window_right] (the right edge with
+  ``causal``); the tile list starts at the page tile holding the first query's first visible key, and each
+  row's lower edge is one more compare in the score mask.
+
 Known limits (documented, checked by the launcher where they matter):
 * rows = seqlen_q * group <= 256; head_dim 64 / 128.
 * MX (UE8M0) scales are applied in f16: exact for scale exponents in [-24, 13] (block amax ~ 2^-22 .. 2^16);
@@ -79,6 +84,7 @@ in-register decode and the per-tile load/compute serialization, not by HBM), mxf
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -321,12 +327,13 @@ class DecodeSm90:
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
         rk_addr: Int64, rv_addr: Int64, ss_addr: Int64, sk_addr: Int64, sv_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
+        num_splits: Int32, max_seqs: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
         stream: cuda.CUstream,
     ):
+        """``window_left`` / ``window_right``: the sliding window's edges (``cfg.window``; unread otherwise)."""
         self.kernel(q_addr, kd_addr, ks_addr, kg_addr, vd_addr, vs_addr, vg_addr, bt_addr, sl_addr, o_addr,
                     lse_addr, rk_addr, rv_addr, ss_addr, sk_addr, sv_addr, batch, seqlen_q, num_kv_heads,
-                    max_blocks, num_blocks, num_splits, max_seqs, scale_log2).launch(
+                    max_blocks, num_blocks, num_splits, max_seqs, scale_log2, window_left, window_right).launch(
                         grid=(num_splits, num_kv_heads * self.cfg.m_blocks, batch), block=(self.T, 1, 1),
                         smem=self.smem_bytes, stream=stream)
 
@@ -339,7 +346,7 @@ class DecodeSm90:
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
         rk_addr: Int64, rv_addr: Int64, ss_addr: Int64, sk_addr: Int64, sv_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, max_seqs: Int32, scale_log2: Float32,
+        num_splits: Int32, max_seqs: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
     ):
         cfg = self.cfg
         D, G, MT, TG, TN = self.D, cfg.group, cfg.row_tiles, cfg.token_groups, cfg.tile_n
@@ -425,6 +432,10 @@ class DecodeSm90:
             slot = mSS[b]  # clamped into the ring (memory safety; the launcher cannot read device values)
             slot = _sel(slot < max_seqs, slot, max_seqs - 1, Int32)
             slot = _sel(slot > 0, slot, 0, Int32)
+        first_t = Int32(0)  # window: the first page tile, the one holding the first query's first visible key
+        if cutlass.const_expr(cfg.window):
+            first_t = _sel(kv_len - seqlen_q > window_left, (kv_len - seqlen_q - window_left) // TN, 0, Int32)
+            n_tiles = _sel(n_tiles > first_t, n_tiles - first_t, 0, Int32)
         per = (n_tiles + num_splits - 1) // num_splits
         t_begin = split * per
         t_end = _sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
@@ -455,6 +466,7 @@ class DecodeSm90:
         lims = []
         lims_page = []
         lims_sink = []
+        lows = [] if cfg.window else None  # window: each row's first visible key
         for hr in cutlass.range_constexpr(2):
             # this lane's rows: g and g + 8 of its row tile, or (narrow) 2 q4 and 2 q4 + 1
             r = row0 + 2 * q4 + hr if narrow else row0 + mt * 16 + g + 8 * hr
@@ -463,8 +475,12 @@ class DecodeSm90:
             lim = kv_len - 1
             if cutlass.const_expr(cfg.causal):
                 lim = kv_len - seqlen_q + i_q
+                if cutlass.const_expr(cfg.window):
+                    lim = lim + window_right
             lim = _sel(lim < kv_len - 1, lim, kv_len - 1, Int32)  # padding rows: never past the end
             lims.append(lim)
+            if cutlass.const_expr(cfg.window):
+                lows.append(kv_len - seqlen_q + i_q - window_left)
             lims_page.append(_sel(lim < page_len - 1, lim, page_len - 1, Int32))  # ring positions: not from pages
             lims_sink.append(_sel(lim < sink_len - 1, lim, sink_len - 1, Int32))  # the sink tile: [0, sink_len)
         self._load_q(rQ, mQ, b, h, row0 + mt * 16 + g, rows, seqlen_q, Hq, q4, self.k.bf16, self.k.even_odd)
@@ -503,8 +519,8 @@ class DecodeSm90:
                         self._load_ring_tile(bufs, t_begin + it - n_page, it % S, page_len, slot, h, tidx,
                                              num_kv_heads, rk_addr, rv_addr)
                 else:
-                    self._load_tile(bufs, t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks, num_blocks,
-                                    num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
+                    self._load_tile(bufs, first_t + t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks,
+                                    num_blocks, num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
             cute.arch.cp_async_commit_group()
             if it >= LAG:
                 cute.arch.cp_async_wait_group(LAG)  # this thread's copies of tile it-LAG have landed ...
@@ -541,8 +557,8 @@ class DecodeSm90:
                                                page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
                                                rM, rL, scale_log2, o_scale, None)
                 else:
-                    self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S, tile * TN, kv_len,
-                                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, None, None)
+                    self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S, (first_t + tile) * TN,
+                                       kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, None, None, lows)
                 cute.arch.sync_threads()  # the stage may be overwritten by the next iteration's loads
         cute.arch.cp_async_wait_group(0)
 
@@ -829,14 +845,16 @@ class DecodeSm90:
         return vw
 
     def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
-                      lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
+                      lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo, lows=None):
         """One warp's share of one tile of ``TN`` tokens at positions ``pos0 + t``: S = Q K^T, online softmax,
         O += P V. Tokens at positions >= ``kv_len`` or past a row's ``lims`` are masked, and so are positions
         below ``pos_lo`` (a compile-time int: the sink tokens, which page tiles do not read; None: no lower
-        bound). ``o_scale`` (or None) multiplies the accumulator before this tile's P V is added."""
+        bound) and below a row's ``lows`` (the sliding window; None: none). ``o_scale`` (or None) multiplies the
+        accumulator before this tile's P V is added. (Keys below a row's window are real cache rows: their V
+        needs no zeroing, P is 0 there.)"""
         if cutlass.const_expr(self.cfg.narrow):
             self._compute_tile_narrow(kf, vf, kpre, vpre, TN, views, stage, pos0, kv_len, lims, g, q4, tg, rQ, rO,
-                                      rM, rL, sl2, o_scale, pos_lo)
+                                      rM, rL, sl2, o_scale, pos_lo, lows)
             return
         D = self.D
         nk, nn = D // 16, D // 8
@@ -865,6 +883,8 @@ class DecodeSm90:
                     keep = pos0 + tok_e <= lims[e // 2]
                     if cutlass.const_expr(pos_lo is not None):
                         keep = keep & (pos0 + tok_e >= pos_lo)
+                    if cutlass.const_expr(lows is not None):
+                        keep = keep & (pos0 + tok_e >= lows[e // 2])
                     vals.append(_sel(keep, x, neg_inf, Float32))
                 Sc.append(vals)
             S.append(Sc)
@@ -921,7 +941,7 @@ class DecodeSm90:
                         rO[4 * j + e] = out[e]
 
     def _compute_tile_narrow(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0,
-                             kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo):
+                             kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo, lows=None):
         """:meth:`_compute_tile` for at most 8 query rows, with both MMAs transposed (M = 16 tokens or 16 head
         dims, N = 8 query rows): S^T = K Q^T, O^T = V^T P^T. Same fragments of K and V as the wide layout (the
         A operand of m16n8k16 is two tokens' B operands side by side), half the MMAs, and half the accumulator
@@ -955,6 +975,8 @@ class DecodeSm90:
                 keep = pos0 + tok_e <= lims[e % 2]
                 if cutlass.const_expr(pos_lo is not None):
                     keep = keep & (pos0 + tok_e >= pos_lo)
+                if cutlass.const_expr(lows is not None):
+                    keep = keep & (pos0 + tok_e >= lows[e % 2])
                 vals.append(_sel(keep, x, neg_inf, Float32))
             S.append(vals)
 
@@ -1005,7 +1027,7 @@ class DecodeSm90:
 def decode_compile_args() -> list:
     """Placeholder arguments of :meth:`DecodeSm90.__call__` (zero addresses, unit sizes, a fake stream) to
     compile a variant without a GPU or any tensor."""
-    return [Int64(0)] * 16 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 16 + [Int32(1)] * 7 + [Float32(1.0), Int32(0), Int32(0), cute.runtime.make_fake_stream()]
 
 
 def decode_cache_key(arch: str, cfg: DecodeConfig) -> tuple:
@@ -1026,10 +1048,11 @@ def _format_pair(name: str):
 
 @register("decode")
 def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
-                     recent_windows=None, q_dtypes=None, sink_tokens=None, **_):
+                     recent_windows=None, q_dtypes=None, sink_tokens=None, sliding_window: bool = False, **_):
     """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
     format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
-    dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype)."""
+    dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype);
+    ``sliding_window``: also the ``window_size`` variants (caches without ring or sink)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
@@ -1052,9 +1075,10 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                             continue
                         for w, n in [(w, n) for w in recent_windows or [0] for n in sink_tokens or [0]]:
                             for qd in q_dtypes or ["bf16"]:
-                                for split in (False, True):
+                                for split, win in itertools.product(
+                                        (False, True), (False, True) if sliding_window and not (w or n) else (False,)):
                                     cfg = choose_config(pair[0], pair[1], d, page, qd, g, sq, True, split,
-                                                        ring_window=w, ring_dtype=qd, sink_tokens=n)
+                                                        ring_window=w, ring_dtype=qd, sink_tokens=n, window=win)
                                     key = decode_cache_key(arch, cfg)
                                     if key in seen:
                                         continue
@@ -1063,6 +1087,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                                         DecodeSm90(cfg), *decode_compile_args(), arch=arch, keep_ptx=False)[0])
                                     label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + (f" W{w}" if w else "")
                                              + (f" N{n}" if n else "")
-                                             + ("" if qd == "bf16" else f" {qd}") + (" split" if split else ""))
+                                             + ("" if qd == "bf16" else f" {qd}") + (" split" if split else "")
+                                             + (" window" if win else ""))
                                     out.append(Variant("decode", key, label, build))
     return out

@@ -116,7 +116,7 @@ def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
 
 def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
                   seqlen_q: int, causal: bool, split: bool, ring_window: int = 0,
-                  ring_dtype: str = "bf16", sink_tokens: int = 0) -> "DecodeConfig":
+                  ring_dtype: str = "bf16", sink_tokens: int = 0, window: bool = False) -> "DecodeConfig":
     """The :class:`DecodeConfig` a decode call uses: the one place the launcher and ``qattn-warmup`` get it
     from, so a warmed variant has exactly the runtime key."""
     rows = seqlen_q * group
@@ -130,7 +130,7 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
                         m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
                         ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16",
-                        narrow=rows <= NARROW_ROWS and not tuning.wide)
+                        narrow=rows <= NARROW_ROWS and not tuning.wide, window=bool(window))
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,10 @@ class DecodeConfig:
     # rows <= 8: the MMAs run transposed, S^T = K Q^T and O^T = V^T P^T, with tokens / head dims as the 16-row M
     # side and the query rows as the 8-column N side (see decode.py, "Narrow tiles")
     narrow: bool = False
+    # sliding window (flash_attn_with_kvcache's ``window_size``): query i sees keys j >= i + len - seqlen_q -
+    # window_left (runtime), and with ``causal`` j <= i + len - seqlen_q + window_right (runtime); the tiles left
+    # of the first query's window are never loaded. Caches without a ring or sink only.
+    window: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -177,6 +181,9 @@ class DecodeConfig:
         if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= self.sink_tile_n:
             raise ValueError(f"sink_tokens: expected an int in [0, {self.sink_tile_n}] (one sink tile), "
                              f"got {self.sink_tokens!r}")
+        if self.window and (self.ring_window or self.sink_tokens):
+            raise ValueError("window: a sliding window over a cache with a recent-token ring or sink tokens is not "
+                             "implemented")
         if self.ring_dtype not in ("bf16", "f16"):
             raise ValueError(f"ring_dtype: expected 'bf16' or 'f16', got {self.ring_dtype!r}")
         for f in (self.k_fmt, self.v_fmt):
@@ -221,7 +228,8 @@ class DecodeConfig:
         """Everything that changes the generated code (the arch is added by the caller)."""
         return ("sm90_decode", _read_key(self.k_fmt), _read_key(self.v_fmt), self.head_dim, self.q_dtype, self.group,
                 self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps,
-                self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens, self.narrow)
+                self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens, self.narrow) + (
+                    ("window",) if self.window else ())
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,

@@ -1,0 +1,53 @@
+"""FlashAttention's ``window_size=(left, right)`` (sliding-window attention) for the prefill and decode entry
+points: validated once, normalized, and turned into the kernels' compile-time flags and runtime edges.
+
+Query i of a sequence sees keys j with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
+-1 (or None) leaves that side unbounded and ``causal=True`` sets right to 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["NO_LEFT_EDGE", "window_ints", "window_bounds", "window_flags", "kernel_edges"]
+
+# the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
+NO_LEFT_EDGE = 1 << 30
+
+
+def window_ints(window_size) -> tuple[int, int]:
+    """``window_size`` as two ints >= -1 (None: -1, unbounded); raises ValueError on anything else."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    ws = tuple(-1 if w is None else w for w in window_size)
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in ws):
+        raise ValueError(f"window_size: expected ints >= -1 (or None), -1 meaning unbounded, got {window_size!r}")
+    return ws
+
+
+@functools.lru_cache(maxsize=4096)
+def window_bounds(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """(left, right) of ``window_ints(window_size)`` with ``causal`` folded in (right = 0). A bound that no row of
+    any sequence up to these lengths reaches becomes -1, which changes no output and keeps the plain kernels for
+    windows longer than the sequences: left >= max_seqlen_k - 1 (row Sq - 1 starts at key <= 0), and without
+    causal right >= max_seqlen_q - 1 (row 0 ends at key >= Sk - 1)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= max_seqlen_k - 1:
+        left = -1
+    if not causal and right >= max_seqlen_q - 1:
+        right = -1
+    return left, right
+
+
+def window_flags(left: int, right: int) -> tuple[bool, bool]:
+    """(causal, window) compile-time flags of a :func:`window_bounds` result: a right edge is the causal bound
+    (right 0: the causal mask itself, whatever ``causal`` said), moved by ``window_right`` in a window kernel;
+    ``window`` for any edge a plain causal / full kernel lacks."""
+    return right >= 0, left >= 0 or right > 0
+
+
+def kernel_edges(left: int, right: int) -> tuple[int, int]:
+    """The (window_left, window_right) runtime arguments of a window kernel."""
+    return (NO_LEFT_EDGE if left < 0 else left), max(right, 0)
