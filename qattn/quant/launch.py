@@ -149,7 +149,8 @@ def _fold_chunks(partial: torch.Tensor, op: str, arch: str, stream) -> tuple[tor
     if num_chunks == 1:
         return partial, 1
     total = _alloc((B, H, 1, D), partial.dtype, partial.device)
-    _chunk_reduce_kernel(arch, D, op)(partial.data_ptr(), total.data_ptr(), B, H, num_chunks, stream)
+    # pdl: the kernel just before made ``partial`` (a statistics kernel, or another fold after one)
+    _chunk_reduce_kernel(arch, D, op)(partial.data_ptr(), total.data_ptr(), B, H, num_chunks, 1, stream)
     return total, 1
 
 
@@ -254,14 +255,16 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                     k_range, _ = _fold_chunks(k_range, "max_f32", arch, stream)
             kquant = _quant_kernel(arch, D, block_k, k.dtype == torch.bfloat16, smooth_k, varlen,
                                    "k" if balance else None, *(plan or ()))
+            # pdl: after the statistics (and fold) kernels of this prepass, whose outputs it waits for
             kquant(addr(k), addr(k_int8), addr(k_scale), addr(partial), addr(k_mean), addr(cu_k), addr(k_range),
                    addr(q_amax), addr(qk_balance), batch, seqlen_k, Hkv, k_scale.shape[2], num_chunks, Hq // Hkv,
-                   *strides(k), stream)
+                   *strides(k), int(partial is not None or k_range is not None), stream)
         if seqlen_q > 0 and q_int8 is not None:  # (the K-only prepass reads Q for its statistics at most)
             qquant = _quant_kernel(arch, D, q_group, q.dtype == torch.bfloat16, False, varlen,
                                    "q" if qk_balance is not None else None)
+            # pdl: after the K quantize kernel (whose channel balance it reads when balancing)
             qquant(addr(q), addr(q_int8), addr(q_scale), addr(None), addr(None), addr(cu_q), 0, 0, addr(qk_balance),
-                   batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), stream)
+                   batch, seqlen_q, Hq, q_scale.shape[2], 1, Hq // Hkv, *strides(q), int(seqlen_k > 0), stream)
 
 
 @functools.lru_cache(maxsize=None)

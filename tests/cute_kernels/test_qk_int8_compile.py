@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.compile
@@ -78,8 +80,13 @@ def test_quant_with_mean_compiles(head_dim, varlen):
 
     cfg, ptx = _quant_ptx(head_dim, 128, True, True, varlen)
     _common(ptx)
-    # flash_attn_func launches the attention kernel as its programmatic dependent (pdl)
+    # flash_attn_func launches the attention kernel as its programmatic dependent (pdl), and this kernel as the
+    # mean kernel's: it waits for the prepass before it reads the sums, after its loads of K
     assert ptx_count(ptx, r"griddepcontrol\.launch_dependents") == 1
+    assert ptx_count(ptx, r"griddepcontrol\.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert max(m.start() for m in re.finditer(LD16, ptx)) < wait  # the K tile's loads are issued first
+    assert wait < min(m.start() for m in re.finditer(r"ld\.global\.b64", ptx))  # then the fp64 sums are read
     assert ptx_count(ptx, LD16) == cfg.passes and ptx_count(ptx, ST8) == cfg.passes
     assert ptx_count(ptx, r"\bdiv\.rn\.f32\b") == 1 and ptx_count(ptx, r"\brcp\.rn\.f32\b") == 1
     # the mean: fp64 sum of the chunks, one RN fp64 division, one RN conversion to fp32, RN subtraction

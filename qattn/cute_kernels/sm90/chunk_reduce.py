@@ -47,13 +47,18 @@ class ChunkReduce:
 
     @cute.jit
     def __call__(self, partial_addr: Int64, total_addr: Int64, batch: Int32, num_heads: Int32, num_chunks: Int32,
-                 stream: cuda.CUstream):
+                 pdl: Int32, stream: cuda.CUstream):
+        """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel before it, which must be the one
+        that wrote ``partial``: this grid is scheduled early and waits (``griddepcontrol.wait``) before reading."""
         self.kernel(partial_addr, total_addr, num_heads, num_chunks).launch(
-            grid=(num_heads, batch, 1), block=(self.head_dim, 1, 1), stream=stream)
+            grid=(num_heads, batch, 1), block=(self.head_dim, 1, 1), stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, partial_addr: Int64, total_addr: Int64, num_heads: Int32, num_chunks: Int32):
         D, dt = self.head_dim, self.dtype
+        # the next kernel of the prepass (launched with pdl) may be scheduled now: it waits for this grid itself
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()  # the partials of the kernel before (a no-op in a plain launch)
         nbytes = dt.width // 8
         d, _, _ = cute.arch.thread_idx()
         head, b, _ = cute.arch.block_idx()
@@ -71,7 +76,7 @@ class ChunkReduce:
 
 
 def chunk_reduce_placeholder_args() -> tuple:
-    return (Int64(0), Int64(0), Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream())
+    return (Int64(0), Int64(0), Int32(1), Int32(1), Int32(1), Int32(0), cute.runtime.make_fake_stream())
 
 
 def compiled_chunk_reduce(cfg: ChunkReduce, arch: str):

@@ -101,6 +101,9 @@ class KMeanPartial:
                num_heads: Int32, num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64,
                stride_h: Int64):
         D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
+        # the prepass's next kernel (chunk totals or the quantize kernel, launched with pdl) may be scheduled once
+        # every CTA of this grid has started; it waits for this grid's end before reading the partials
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, b = cute.arch.block_idx()
         part = tidx % TPR  # columns [8 * part, 8 * part + 8)

@@ -266,8 +266,13 @@ class QKInt8Quant:
         stride_b: Int64,  # input strides in elements; stride_b unused in varlen
         stride_s: Int64,
         stride_h: Int64,
+        pdl: Int32,  # 0 / 1: a programmatic dependent of the prepass kernel before it (not with ``cluster``)
         stream: cuda.CUstream,
     ):
+        """``pdl``: the kernel before this one on the stream made its ``partial`` / totals / ``k_range`` /
+        ``q_amax`` / ``balance`` inputs (the mean, chunk-total or K quantize kernel of the same prepass): this grid
+        is scheduled while that one ends, loads its tile of x and waits (``griddepcontrol.wait``) before reading
+        any of them. Its own outputs are written after the wait."""
         grid_x = (num_groups + self.groups_per_cta - 1) // self.groups_per_cta
         launcher = self.kernel(x_addr, out_addr, scale_addr, partial_addr, mean_addr, cu_seqlens_addr, k_range_addr,
                                q_amax_addr, balance_addr, batch, seqlen, num_heads, num_groups, num_chunks, q_per_kv,
@@ -276,7 +281,8 @@ class QKInt8Quant:
             launcher.launch(grid=(self.cluster, num_heads, batch), block=(self.threads, 1, 1),
                             cluster=[self.cluster, 1, 1], stream=stream)
         else:
-            launcher.launch(grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
+            launcher.launch(grid=(grid_x, num_heads, batch), block=(self.threads, 1, 1), stream=stream,
+                            use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x_addr: Int64, out_addr: Int64, scale_addr: Int64, partial_addr: Int64, mean_addr: Int64,
@@ -326,6 +332,9 @@ class QKInt8Quant:
                 if row < length:
                     src = in_base + Int64(row) * stride_s * Int64(2)
                     cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, p])
+        # ``pdl``: what the previous kernels of the prepass wrote is read (and anything written) only from here on;
+        # x itself is the caller's (a no-op in a plain launch)
+        cute.arch.griddepcontrol_wait()
 
         # ---- shared state: per-group amax / inverse scale, the K mean --------------------------------------
         smem = cutlass.memory.SmemAllocator()
@@ -511,7 +520,7 @@ def make_quant_compile_args(head_dim: int, group_rows: int, in_bf16: bool = True
 
 def quant_placeholder_args() -> tuple:
     return (tuple(Int64(0) for _ in range(9)) + tuple(Int32(1) for _ in range(6))
-            + tuple(Int64(1) for _ in range(3)) + (cute.runtime.make_fake_stream(),))
+            + tuple(Int64(1) for _ in range(3)) + (Int32(0), cute.runtime.make_fake_stream(),))
 
 
 def compiled_quant(cfg: QKInt8Quant, arch: str):
