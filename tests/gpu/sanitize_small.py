@@ -1,7 +1,7 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
-seqlen_q > 1, a recent window, sink tokens), the INT8 Q/K prepass and the INT8-QK prefill (dense ragged, causal,
-varlen; with and without channel balancing; a split last wave). Run as a script; exits non-zero on a wrong result."""
+seqlen_q > 1, a recent window, sink tokens, sliding windows), the INT8 Q/K prepass and the INT8-QK prefill (dense
+ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows). Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -31,6 +31,12 @@ def main() -> None:
             err = float((out.double() - ref).norm() / ref.norm())
             assert err < 1e-2, (fmt, page, splits, err)
             print(f"{str(fmt):18} page {page:3} splits {splits}: rel err {err:.2e}")
+        for ws in ((40, 0), (0, 0), (60, -1)):  # sliding window: the tile list starts past the table's first pages
+            out = qattn.flash_attn_with_kvcache(q, cache, lens, table, num_splits=2, window_size=ws, causal=ws[1] == 0)
+            ref = paged_decode_reference(q, cache, lens, table, window_size=ws, causal=ws[1] == 0)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert err < 1e-2, (fmt, page, ws, err)
+        print(f"{str(fmt):18} page {page:3} sliding windows: rel err {err:.2e}")
     _ring_and_transforms(g)
     _prefill(g)
     torch.cuda.synchronize()
@@ -103,6 +109,15 @@ def _prefill(g) -> None:
         out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, balance_qk=bal)
         assert torch.isfinite(out).all()
     print("prefill varlen ran")
+    for ws, causal in (((100, 0), True), ((64, 64), False), ((150, -1), False)):  # CTAs start past key 0
+        out = qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
+        ref = prefill_reference(q, k, v, causal=causal, qk_quant="int8", window_size=ws)
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-2, ("prefill window", ws, err)
+        assert torch.isfinite(qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws, pv_dtype="fp8")).all()
+        out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=causal, window_size=ws)
+        assert torch.isfinite(out).all()
+    print("prefill sliding windows ran")
 
 
 if __name__ == "__main__":
