@@ -123,12 +123,11 @@ def _check(out, lse, ref_out, ref_lse, tol=1e-2):
     return float(err)
 
 
-def _poison_sink_pages(cache, table, lens):
-    """NaN / 0x7F the *page* rows of positions < sink_tokens after the write: decode reads those positions from
-    the sink buffer only, so the page tiles must mask them (scores and V values)."""
-    lay, P, N = cache.layer(0), cache.page_size, cache.sink_tokens
-    for b, n in enumerate(lens):
-        for p in range(min(n, N)):
+def poison_page_rows(cache, table, ends):
+    """NaN / 0x7F the page rows (payload and scales) of positions [0, ends[b]) of each sequence b, after the write."""
+    lay, P = cache.layer(0), cache.page_size
+    for b, n in enumerate(ends):
+        for p in range(n):
             blk = int(table[b, p // P])
             for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool):
                 if t is None:
@@ -137,6 +136,12 @@ def _poison_sink_pages(cache, table, lens):
                     t[blk, :, p % P] = float("nan")
                 else:
                     t[blk, :, p % P] = 0x7F if t.dtype == torch.uint8 else 127
+
+
+def _poison_sink_pages(cache, table, lens):
+    """The *page* rows of positions < sink_tokens: decode reads those positions from the sink buffer only, so the
+    page tiles must mask them (scores and V values)."""
+    poison_page_rows(cache, table, [min(n, cache.sink_tokens) for n in lens])
 
 
 def _run(fmt, D, gqa, sq, page, splits, causal=True, q_dtype=torch.bfloat16, lens=None, window=0,
@@ -364,24 +369,10 @@ def _bench(fmt, B=32, ctx=8192, Hq=32, H=8, D=128, page=64, iters=30, num_splits
     us = sorted(ts)[len(ts) // 2]
     graph_us = float("nan")
     try:  # the same through a CUDA graph of 10 launches (no host overhead at all)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                flash_attn_with_kvcache(q, cache, seqlens, table, out=out, num_splits=num_splits)
-        gts = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            gts.append(a.elapsed_time(b) * 1e3 / 10)
-        graph_us = sorted(gts)[len(gts) // 2]
+        from ._timing import graph_median_us
+
+        graph_us = graph_median_us(lambda: flash_attn_with_kvcache(q, cache, seqlens, table, out=out,
+                                                                   num_splits=num_splits), reps=iters, launches=10)
     except Exception as e:  # report, do not hide
         print(f"  cuda graph timing failed: {type(e).__name__}: {e}")
     nbytes = B * ctx * H * (cache.k_format.bytes_per_token_head(D) + cache.v_format.bytes_per_token_head(D))

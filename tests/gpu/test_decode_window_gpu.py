@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from .test_decode_gpu import _check, make_case
+from .test_decode_gpu import _check, make_case, poison_page_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,19 +32,8 @@ CASES = [(f, d, c, w) for (f, d), c, w in zip(itertools.cycle(itertools.product(
 
 
 def _poison_left_of_windows(cache, table, lens, seqlen_q, left, tile_n):
-    """NaN / 0x7F the page rows of positions below the tile holding each sequence's first visible key."""
-    lay, P = cache.layer(0), cache.page_size
-    for b, n in enumerate(lens):
-        first = max(n - seqlen_q - left, 0) // tile_n * tile_n if left >= 0 else 0
-        for p in range(first):
-            blk = int(table[b, p // P])
-            for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool):
-                if t is None:
-                    continue
-                if t.dtype in (torch.bfloat16, torch.float32, torch.float16):
-                    t[blk, :, p % P] = float("nan")
-                else:
-                    t[blk, :, p % P] = 0x7F if t.dtype == torch.uint8 else 127
+    """The page rows of positions below the tile holding each sequence's first visible key."""
+    poison_page_rows(cache, table, [max(n - seqlen_q - left, 0) // tile_n * tile_n if left >= 0 else 0 for n in lens])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: (f"{c[0] if isinstance(c[0], str) else '+'.join(c[0])}-D{c[1]}"
@@ -107,20 +96,10 @@ def test_window_decode_in_cuda_graph_and_torch_compile():
 if __name__ == "__main__":  # quick timing: windowed vs full decode, CUDA graph, GQA 32/8 D128 page 64
     from qattn.interface.decode import flash_attn_with_kvcache
 
+    from ._timing import graph_median_us
+
     for fmt, (B, ctx), w in itertools.product(("nvfp4", "bf16"), ((32, 8192), (8, 32768)), (1024, 4096)):
         cache, q, seqlens, table = make_case(fmt, 128, 4, 1, 64, [ctx] * B, num_kv_heads=8, seed=0)
-        times = {}
-        for name, ws in (("full", (-1, -1)), (f"window {w}", (w, 0))):
-            fn = lambda: flash_attn_with_kvcache(q, cache, seqlens, table, window_size=ws)  # noqa: E731
-            for _ in range(3):
-                fn()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            ts = []
-            for _ in range(20):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()  # noqa: E702
-                ts.append(e0.elapsed_time(e1) * 1e3)
-            times[name] = sorted(ts)[len(ts) // 2]
+        times = {name: graph_median_us(lambda ws=ws: flash_attn_with_kvcache(q, cache, seqlens, table, window_size=ws))
+                 for name, ws in (("full", (-1, -1)), (f"window {w}", (w, 0)))}
         print(f"{fmt} B{B}x{ctx // 1024}K: " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items()), flush=True)

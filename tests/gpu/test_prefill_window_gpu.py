@@ -157,19 +157,10 @@ def test_window_output_is_deterministic_and_inputs_untouched():
 if __name__ == "__main__":  # quick timing: windowed vs full causal, kernel + prepass (flash_attn_func), graphs
     from qattn import flash_attn_func
 
+    from ._timing import graph_median_us
+
     for D, S, left in itertools.product((128, 64), (8192, 16384), (1024, 4096)):
         q, k, v = _inputs(2, S, S, 16, 16, D, torch.bfloat16, seed=1)
-        times = {}
-        for name, ws in (("causal", (-1, -1)), (f"window {left}", (left, 0))):
-            for _ in range(3):
-                flash_attn_func(q, k, v, causal=True, window_size=ws)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                flash_attn_func(q, k, v, causal=True, window_size=ws)
-            ts = []
-            for _ in range(10):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()  # noqa: E702
-                ts.append(e0.elapsed_time(e1) * 1e3)
-            times[name] = sorted(ts)[len(ts) // 2]
+        times = {name: graph_median_us(lambda ws=ws: flash_attn_func(q, k, v, causal=True, window_size=ws), reps=10)
+                 for name, ws in (("causal", (-1, -1)), (f"window {left}", (left, 0)))}
         print(f"D{D} S{S}: " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items()))

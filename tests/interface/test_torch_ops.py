@@ -12,6 +12,19 @@ from qattn.interface.torch_ops import _parse, format_str
 from qattn.layouts import FORMAT_NAMES, kv_format
 
 
+def _recorder():
+    """(graphs, backend): a torch.compile backend that records each graph and returns placeholders (the kernels
+    never run on the CPU)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    return graphs, record
+
+
 def test_format_strings_round_trip():
     for name in FORMAT_NAMES:
         for rule in ((None,) if not name.startswith("mxfp4") else ("floor", "rceil")):
@@ -20,12 +33,7 @@ def test_format_strings_round_trip():
 
 
 def test_decode_step_traces_into_custom_ops_without_breaks():
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out  # placeholders: the kernels never run on the CPU
+    graphs, record = _recorder()
 
     cache = qattn.PagedKVCache(1, 8, 16, 2, 128, ("int8", "nvfp4"))
     q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
@@ -48,12 +56,7 @@ def test_decode_step_traces_into_custom_ops_without_breaks():
 
 def test_windowed_steps_trace_with_their_window():
     """window_size reaches the decode and prefill ops as two ints (one graph, no break)."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     cache = qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
     q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
@@ -92,12 +95,7 @@ def test_fake_shapes():
 
 def test_ring_decode_step_traces_with_seq_slots():
     """A cache with a recent-token window: seq_slots reach the decode op (with the rings) in the traced graph."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4", recent_window=32, max_seqs=4)
     q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
@@ -124,12 +122,7 @@ def test_ring_decode_step_traces_with_seq_slots():
 
 def test_sink_decode_step_traces_with_seq_slots():
     """A cache with sink tokens (and a window): one graph; the sink buffers reach both ops."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     for window in (0, 32):
         cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4", recent_window=window, sink_tokens=2, max_seqs=4)
@@ -226,12 +219,7 @@ def test_seq_slots_validation_on_host():
 def test_transformed_step_traces_without_breaks():
     """RoPE + smoothing at insert and a rotated cache (q rotated before, output rotated back after the decode op):
     still one graph with the two qattn ops, and the rotation pre/post steps are plain traced torch ops."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     cache = qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4", rotate=True, rotation_seed=3)
     rope = qattn.RoPE.from_theta(10000.0, 64, 256, "gptj")
@@ -285,12 +273,7 @@ def test_mutated_arguments_take_no_default():
 
 def test_flatten_kv_traces_into_its_custom_op():
     """flatten_kv(..., max_seqlen=N) traces as qattn::flatten_kv (fullgraph); without max_seqlen a clear error."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     cache = qattn.PagedKVCache(1, 8, 16, 2, 64, "nvfp4")
     lens = torch.tensor([4, 41], dtype=torch.int32)
@@ -359,12 +342,7 @@ def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k, balance
 def test_prepass_traces_into_custom_ops():
     from qattn.quant import quantize_qk_int8, quantize_v_fp8
 
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        return lambda *args: [torch.zeros(1)] * n_out
+    graphs, record = _recorder()
 
     def prepass(q, k):
         qi, qs, ki, ks, km = quantize_qk_int8(q, k, smooth_k=False)
