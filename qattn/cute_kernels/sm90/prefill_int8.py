@@ -684,9 +684,10 @@ class QKInt8PrefillSm90:
                                    cute.make_layout(1 << 30))
             ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
             qs_log2 = q_scale * scale_log2
-        # causal: row i sees keys j <= i + diag; local: keys j >= i + diag - window_left - window_right too
-        # (``mask_diag``: what ``_scores`` takes, diag or (diag, window): the lower bound's offset is recomputed
-        # from the kernel's window arguments where it is used, which costs no register across the loop)
+        # causal: row i sees keys j <= i + diag (diag includes window_right in a local kernel); local: keys
+        # j >= i + seqlen_k - seqlen_q - window_left too (``mask_diag``: what ``_scores`` takes, diag or (diag,
+        # window): the lower bound's offset is recomputed from the kernel's window arguments where it is used,
+        # which costs no register across the loop)
         diag = seqlen_k - seqlen_q
         if cutlass.const_expr(cfg.causal and cfg.local):
             diag = diag + window[1]
