@@ -296,14 +296,15 @@ def prefill_int8(
     if _check_arch(dev) == "sm_100a":
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
-        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning, window=_window_flags(left, right)[1])
+        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
         q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
-                           causal=right >= 0, softmax_scale=softmax_scale, granularity=granularity)
+                           causal=right >= 0, softmax_scale=softmax_scale, granularity=granularity,
+                           window=(left, right))
         return (out, lse) if return_lse else out
     tuning = _tuning or {}  # _tuning: A/B overrides
     upper, local = _window_flags(left, right)
@@ -482,7 +483,8 @@ def flash_attn_func(
 
     ``window_size=(left, right)``: sliding-window (local) attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 or None: unbounded on that side;
-    ``causal=True`` sets right to 0); the K/V tiles left of a query tile's windows are not read (SM90 only).
+    ``causal=True`` sets right to 0); the K/V tiles left of a query tile's windows are not read (the SM100 kernel's
+    window is compile-checked and emulated only: it never ran).
 
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
     unchanged: ``dropout_p=0.0``, ``softcap=0.0``, ``alibi_slopes=None``; anything else raises
@@ -537,9 +539,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
-        left, right = _window(tuple(window), causal, q.shape[1], k.shape[1])
-        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant,
-                             window=_window_flags(left, right)[1])
+        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale, window)
 
@@ -688,7 +688,7 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
-        return sm100_prefill_variants(arch, head_dims, q_dtypes)
+        return sm100_prefill_variants(arch, head_dims, q_dtypes, sliding_window)
     if arch != "sm_90a":
         return []
     dts = [{"f16": "fp16"}.get(d, d) for d in (q_dtypes or ["bf16", "fp16"])]

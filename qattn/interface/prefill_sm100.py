@@ -25,12 +25,8 @@ _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
-                                tuning: Optional[dict] = None, window: bool = False) -> None:
-    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included).
-    ``window``: a sliding window (``window_size`` bounds other than a plain causal mask)."""
-    if window:
-        raise NotImplementedError("window_size: sliding-window attention is not implemented on SM100 (compute "
-                                  "capability 10.x) yet; window_size=(-1, -1) (causal=True for a causal mask)")
+                                tuning: Optional[dict] = None) -> None:
+    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
     if varlen:
         raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
                                   "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "
@@ -45,14 +41,16 @@ def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16",
         raise ValueError(f"_tuning: {sorted(tuning)} are SM90 kernel knobs; the SM100 prefill kernel has none")
 
 
-def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str):
-    """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments."""
+def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str,
+                             local: bool = False):
+    """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments (``causal`` /
+    ``local``: ``qattn.interface.window.window_flags`` of the call's window)."""
     from ..cute_kernels.sm100.prefill_config import PrefillConfigSm100
 
     if v_dtype not in _V_DTYPES:
         raise TypeError(f"v: expected torch.bfloat16 or torch.float16, got {v_dtype}")
     return PrefillConfigSm100(head_dim=head_dim, v_dtype=_V_DTYPES[v_dtype], causal=bool(causal),
-                              granularity=granularity)
+                              granularity=granularity, local=bool(local))
 
 
 def _build(cfg):
@@ -80,25 +78,29 @@ def _launch(cfg, args: tuple, device: torch.device) -> None:
 
 def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                       granularity: str) -> None:
+                       granularity: str, window: tuple = (-1, -1)) -> None:
     """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
     q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
-    writes out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+    writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: (left, right) from
+    ``qattn.interface.window.window_bounds`` (``causal`` folded in already)."""
+    from .window import kernel_edges, window_flags
+
     B, Sq, Hq, D = q_int8.shape
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
     if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
-    cfg = sm100_prefill_config_for(D, v.dtype, causal, granularity)
+    upper, local = window_flags(*window)
+    cfg = sm100_prefill_config_for(D, v.dtype, upper or causal, granularity, local)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
-            softmax_scale * math.log2(math.e))
+            softmax_scale * math.log2(math.e), *kernel_edges(*window))
     _launch(cfg, args, q_int8.device)
 
 
-def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None) -> list:
+def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_window: bool = False) -> list:
     """``qattn-warmup`` variants of the SM100 prefill kernel: head_dim x V dtype x causal x q-scale granularity
-    (dense, INT8 Q K^T, P.V in V's dtype), with the launcher's own keys. Never ran on hardware: these variants
-    are compiled for images, not tested on a GPU."""
+    (dense, INT8 Q K^T, P.V in V's dtype; ``sliding_window``: each one's window twin), with the launcher's own
+    keys. Never ran on hardware: these variants are compiled for images, not tested on a GPU."""
     from ..cute_kernels.sm100.prefill_config import HEAD_DIMS
     from ..cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
 
@@ -113,8 +115,10 @@ def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None) -> list:
             seen.add((d, dts[name]))
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
-                    cfg = sm100_prefill_config_for(d, dts[name], causal, gran)
-                    label = f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran} (sm100, never ran)"
-                    out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
-                                       lambda cfg=cfg: _build(cfg)))
+                    for local in (False, True) if sliding_window else (False,):
+                        cfg = sm100_prefill_config_for(d, dts[name], causal, gran, local)
+                        label = (f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran}"
+                                 f"{' window' if local else ''} (sm100, never ran)")
+                        out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
+                                           lambda cfg=cfg: _build(cfg)))
     return out

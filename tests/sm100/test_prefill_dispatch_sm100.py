@@ -101,10 +101,6 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.flash_attn_func(q, k, v, pv_dtype="fp8")
     with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
         qattn.flash_attn_func(q, k, v, qk_quant=None)
-    monkeypatch.setattr(ql, "quantize_k_int8", no_prepass)
-    for causal, ws in ((True, (64, 0)), (False, (-1, 3)), (False, (30, 30))):
-        with pytest.raises(NotImplementedError, match="window_size: sliding-window attention is not implemented on"):
-            qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
         qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
@@ -112,13 +108,31 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
     q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k)
     with pytest.raises(ValueError, match="SM90 kernel knobs"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, _tuning={"kv_stages": 3})
-    with pytest.raises(NotImplementedError, match="window_size"):
-        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(100, 0))
+    with pytest.raises(ValueError, match="window_size"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(-5, 0))
     with pytest.raises(NotImplementedError, match="varlen"):
         qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
                                                     torch.tensor([0, 200], dtype=torch.int32),
                                                     torch.tensor([0, 300], dtype=torch.int32), 200, 300)
     assert calls == []
+
+
+@pytest.mark.parametrize("causal,ws,local,upper,edges", [
+    (True, (64, 0), True, True, (64, 0)),
+    (False, (-1, 3), True, True, (1 << 30, 3)),  # a right edge only: no left edge at all
+    (False, (30, 30), True, True, (30, 30)),
+    (False, (100, -1), True, False, (100, 0)),
+])
+def test_sm100_window_reaches_the_kernel(gpu, causal, ws, local, upper, edges):
+    """window_size on SM100: the window variant of the SM100 kernel (compile-checked and emulated only), with the
+    runtime edges after the softmax scale."""
+    calls = gpu((10, 0))
+    q, k, v = _qkv()
+    qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
+    assert len(calls) == 1 and calls[0][0] == "sm100"
+    _, cfg, args = calls[0]
+    assert cfg.local == local and cfg.causal == upper and "local" in cfg.key
+    assert tuple(args[-2:]) == edges
 
 
 def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):

@@ -48,3 +48,17 @@ def test_config_rejects():
     assert PrefillConfigSm100(128, "bf16", True, "per_warp").tmem_cols == 512
     keys = {PrefillConfigSm100(d, vd, causal, gran).key for d, causal, gran, vd in CASES}
     assert len(keys) == len(CASES)  # the key tells every variant apart
+
+
+@pytest.mark.parametrize("D,causal", [(128, True), (64, False)])
+def test_prefill_sm100_window_compiles(D, causal):
+    """The sliding-window variant (``local``): the same MMAs, loads and TMEM traffic; the tile loop starts at the
+    first row's window tile (never ran on hardware)."""
+    cfg = PrefillConfigSm100(D, "bf16", causal, "per_warp", local=True)
+    assert "local" in cfg.key and cfg.key != PrefillConfigSm100(D, "bf16", causal, "per_warp").key
+    ptx = compile_sm100_timed("sm100_prefill_int8", (D, causal, "window"), QKInt8PrefillSm100(cfg),
+                              prefill_sm100_compile_args())
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::i8") == D // 32
+    assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
+    assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0 and ptx_count(ptx, r"tcgen05\.alloc") == 1
+    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128

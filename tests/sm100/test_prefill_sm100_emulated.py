@@ -78,6 +78,23 @@ def test_kernel_error_vs_int8_reference(case):
         assert _cos(o, ref) >= 0.9999
 
 
+@pytest.mark.parametrize("causal,window,sq,sk", [(True, (100, 0), 300, 300), (True, (0, 0), 129, 257),
+                                                 (False, (64, 64), 257, 129), (False, (150, -1), 200, 383),
+                                                 (False, (-1, 3), 300, 300)])
+def test_sliding_window_vs_int8_reference(causal, window, sq, sk):
+    """window_size: the kernel's tile range (a CTA starts at its first row's window tile) and masks, against the
+    fp64 reference of the same int8 Q/K and window."""
+    q, k, v = fp8pv_inputs(1, sq, sk, 4, 2, 64, torch.bfloat16, None, seed=sq + sk)
+    o, lse = emulate_prefill_sm100(q, k, v, causal=causal, return_lse=True, window_size=window)
+    ref, ref_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", return_lse=True, window_size=window)
+    none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), none)
+    assert torch.allclose(lse[~none].double(), ref_lse[~none], atol=2e-4, rtol=0)
+    assert _nrmse(o, ref) <= 0.005 and _cos(o, ref) >= 0.9999
+    full = prefill_reference(q, k, v, causal=causal, qk_quant="int8")
+    assert _cos(full, ref) < 0.999  # the window changed the output
+
+
 def test_p_rounding_is_modelled():
     """The emulation is not the reference: rounding P to bf16 costs ~4-8x more than to fp16 (3 mantissa bits),
     and neither is zero."""

@@ -11,7 +11,9 @@ Per CTA = (batch b, q head h, 128-row query block), in the kernel's order:
    accumulator and its int32 -> fp32 conversion).
 3. Per row and tile, the log2-domain scale ``fp32(fp32(q_scale * scale_log2) * k_scale)`` with
    ``scale_log2 = fp32(softmax_scale * log2 e)`` (the kernel's two fp32 multiplies, in this order), then
-   ``x = fp32(S * scale)``; keys >= seqlen_k and (causal) keys > row + seqlen_k - seqlen_q are -inf.
+   ``x = fp32(S * scale)``; keys >= seqlen_k and (causal) keys > row + seqlen_k - seqlen_q are -inf; with a
+   ``window_size``, keys outside the row's window too (the host's normalization and flags,
+   ``qattn.interface.window``, then the kernel's tile range: a CTA starts at the tile of its first row's first key).
 4. Online softmax in fp32, tile by tile: ``m_new = max(m, max x)``, ``m_use = m_new`` (0 while -inf),
    ``corr = 2^(m - m_use)``, ``p = 2^(x - m_use)`` (the kernel's ``ex2.approx.ftz`` is modelled as the exact
    exp2 rounded to fp32; the hardware is within ~2 ulp), ``l = l * corr + sum(p)`` with the *unrounded* fp32 p
@@ -56,6 +58,7 @@ def emulate_prefill_sm100(
     smooth_k: bool = True,
     return_lse: bool = False,
     quantized: Optional[tuple] = None,
+    window_size: tuple = (-1, -1),
 ):
     """The SM100 kernel's output (B, Sq, Hq, D) in V's dtype and, with ``return_lse``, the natural-log LSE
     (B, Hq, Sq) fp32, computed on the CPU as the module docstring describes. q (B, Sq, Hq, D), k and v
@@ -83,6 +86,12 @@ def emulate_prefill_sm100(
     ks_h = ks.double().repeat_interleave(group, dim=1)  # (B, Hq, n_kb)
     out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
     lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
+    from qattn.interface.window import kernel_edges, window_bounds, window_flags, window_ints
+
+    # what prefill_int8 launches for these arguments: the causal flag, the window flag and the runtime edges
+    w_left, w_right = window_bounds(window_ints(window_size), bool(causal), Sq, Sk)
+    causal, local = window_flags(w_left, w_right)
+    w_left, w_right = kernel_edges(w_left, w_right)
     diag = Sk - Sq
     n_mb = -(-Sq // BLOCK_Q)
     for mb in range(n_mb):
@@ -90,24 +99,26 @@ def emulate_prefill_sm100(
         rows = torch.arange(r0, r1)
         n_blocks = -(-Sk // BLOCK_K)
         if causal:
-            last_key = min(Sk, (mb + 1) * BLOCK_Q + diag)
+            last_key = min(Sk, (mb + 1) * BLOCK_Q + diag + (w_right if local else 0))
             n_blocks = max(last_key + BLOCK_K - 1, 0) // BLOCK_K
+        kb0 = min(max(mb * BLOCK_Q + diag - w_left, 0) // BLOCK_K, n_blocks) if local else 0
         key_end = torch.full_like(rows, Sk)
         if causal:
-            key_end = torch.clamp(rows + diag + 1, max=Sk)
+            key_end = torch.clamp(rows + diag + 1 + (w_right if local else 0), max=Sk)
+        key_start = rows + diag - w_left if local else torch.full_like(rows, -(2**40))
         # fp32(q_scale * scale_log2), one per row
         qsr = qs.double()[:, :, rows // q_rows]  # (B, Hq, rows)
         qs_log2 = _f32(_f32(qsr) * scale_log2)
         m = torch.full((B, Hq, r1 - r0), -math.inf, dtype=torch.float64)
         l_ = torch.zeros(B, Hq, r1 - r0, dtype=torch.float64)
         o = torch.zeros(B, Hq, r1 - r0, D, dtype=torch.float64)
-        for t in range(n_blocks):
+        for t in range(kb0, n_blocks):
             c0, c1 = t * BLOCK_K, min(Sk, (t + 1) * BLOCK_K)
             s_int = qi[:, :, r0:r1] @ ki[:, :, c0:c1].transpose(-1, -2)  # exact integers
             scale = _f32(qs_log2 * ks_h[:, :, t, None])  # (B, Hq, rows)
             x = _f32(s_int * scale[..., None])
             cols = torch.arange(c0, c1)
-            visible = cols[None, :] < key_end[:, None]  # (rows, cols)
+            visible = (cols[None, :] < key_end[:, None]) & (cols[None, :] >= key_start[:, None])  # (rows, cols)
             x = torch.where(visible, x, torch.tensor(-math.inf, dtype=torch.float64))
             m_new = torch.maximum(m, x.amax(-1))
             m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)

@@ -35,6 +35,10 @@ class PrefillConfigSm100:
     causal: bool
     granularity: str  # q scale granularity of the prepass: "per_warp" (16 rows) | "per_block" (128 rows)
     kv_stages: int = 2  # TMA stages of the (K, V) tile ring
+    # sliding window (FlashAttention's ``window_size``): keys j >= i + seqlen_k - seqlen_q - window_left (runtime)
+    # and, with ``causal``, j <= i + seqlen_k - seqlen_q + window_right (runtime); a CTA starts at the K/V tile of
+    # its first row's first key. Without it the window arguments are unused.
+    local: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -66,4 +70,5 @@ class PrefillConfigSm100:
     def key(self) -> tuple:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
         return ("sm100_prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype,
-                self.causal, self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.kv_stages)
+                self.causal, self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.kv_stages) + (
+                    ("local",) if self.local else ())

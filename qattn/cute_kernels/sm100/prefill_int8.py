@@ -29,6 +29,9 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
 * **Masks**: keys >= seqlen_k and, with ``causal``, FlashAttention's bottom-right alignment: query i sees keys
   j <= i + seqlen_k - seqlen_q. Causal CTAs read only tiles up to their last row's diagonal and run in reverse
   order (longest first). A row that sees no key writes 0 and LSE -inf. Rows >= seqlen_q are never stored.
+  Sliding window (``local``, runtime ``window_left`` / ``window_right``, FlashAttention's ``window_size``): keys
+  j >= i + seqlen_k - seqlen_q - window_left, and with ``causal`` j <= i + seqlen_k - seqlen_q + window_right; a
+  CTA's tile loop starts at the tile of its first row's first key (K/V tiles, k scales and mask columns from there).
 * **GQA**: the CTA of q head h reads kv head h // (num_heads / num_kv_heads) (K/V re-read per q head: v0).
 
 Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
@@ -99,7 +102,7 @@ class QKInt8PrefillSm100:
         q_addr: Int64, k_addr: Int64, v_addr: Int64, o_addr: Int64, lse_addr: Int64,
         q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
-        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
         stream: cuda.CUstream,
     ):
         cfg, D = self.cfg, self.D
@@ -142,7 +145,7 @@ class QKInt8PrefillSm100:
         num_m_blocks = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
         self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, q_smem, k_smem, v_smem, p_tmem,
                     o_addr, lse_addr, q_scale_addr, k_scale_addr, batch, seqlen_q, seqlen_k, num_heads, num_kv_heads,
-                    num_q_groups, num_k_blocks, scale_log2).launch(
+                    num_q_groups, num_k_blocks, scale_log2, window_left, window_right).launch(
                         grid=(num_m_blocks, num_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
                         stream=stream)
 
@@ -157,7 +160,7 @@ class QKInt8PrefillSm100:
         p_tmem: cute.ComposedLayout,
         o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
-        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
+        num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
     ):
         cfg, D, ST = self.cfg, self.D, self.cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -175,7 +178,13 @@ class QKInt8PrefillSm100:
         n_blocks = (seqlen_k + BLOCK_K - 1) // BLOCK_K
         if cutlass.const_expr(cfg.causal):
             last_key = cutlass.min(seqlen_k, (m_block + 1) * BLOCK_Q + diag)
+            if cutlass.const_expr(cfg.local):  # the window's right edge moves the causal bound
+                last_key = cutlass.min(seqlen_k, (m_block + 1) * BLOCK_Q + diag + window_right)
             n_blocks = cutlass.max(last_key + BLOCK_K - 1, 0) // BLOCK_K
+        kb0 = Int32(0)  # local: the tile of the first row's first key; the tiles before it are never loaded
+        if cutlass.const_expr(cfg.local):
+            kb0 = cutlass.min(cutlass.max(m_block * BLOCK_Q + diag - window_left, 0) // BLOCK_K, n_blocks)
+            n_blocks = n_blocks - kb0
         if m_block * BLOCK_Q >= seqlen_q:
             n_blocks = 0
 
@@ -219,7 +228,7 @@ class QKInt8PrefillSm100:
                 cute.copy(tma_q, tQg[(None, m_block, 0, (h, b))], tQs[(None, 0)], tma_bar_ptr=q_full)
             for s in cutlass.range_constexpr(ST):
                 if s < n_blocks:
-                    self._issue_kv(s, s, tmas, full, h_kv, b)
+                    self._issue_kv(kb0 + s, s, tmas, full, h_kv, b)
 
         # ---- per-thread row state: thread t = TMEM lane t = query row t of the tile ---------------------------
         row = m_block * BLOCK_Q + tidx
@@ -235,9 +244,14 @@ class QKInt8PrefillSm100:
         if n_blocks > 0:
             qs_log2 = mQS[(b * num_heads + h) * num_q_groups + q_group] * scale_log2
         ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
-        key_end = seqlen_k  # keys < key_end are visible to this row
+        key_end = seqlen_k  # keys < key_end are visible to this row (local: and keys >= key_start)
         if cutlass.const_expr(cfg.causal):
             key_end = cutlass.min(seqlen_k, row + diag + 1)
+            if cutlass.const_expr(cfg.local):
+                key_end = cutlass.min(seqlen_k, row + diag + window_right + 1)
+        key_start = None
+        if cutlass.const_expr(cfg.local):
+            key_start = row + diag - window_left
         m_run = Float32(-math.inf)
         l_run = Float32(0.0)
         # TMEM <-> register copies of one row (thread = lane): S (s32 x 128), P (16-bit x 128 as 64 words), O
@@ -262,13 +276,16 @@ class QKInt8PrefillSm100:
             # ---- online softmax, thread = row --------------------------------------------------------------
             rSi = trow.load_s(Int32)
             # fp32(fp32(q_scale * softmax_scale * log2 e) * k_scale): the tile's log2-domain scale
-            scale = qs_log2 * mKS[ks_base + it]
-            col0 = it * BLOCK_K
+            scale = qs_log2 * mKS[ks_base + kb0 + it]
+            col0 = (kb0 + it) * BLOCK_K
             rS = cute.make_rmem_tensor(tSc.shape, Float32)
             mx = Float32(-math.inf)
             for i in cutlass.range_constexpr(cute.size(rS)):
                 # int32 -> fp32 is exact (|S| < 2^22); masked keys are selected to -inf after the multiply
-                x = sel(col0 + tSc[i][1] < key_end, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
+                visible = col0 + tSc[i][1] < key_end
+                if cutlass.const_expr(cfg.local):
+                    visible = visible & (col0 + tSc[i][1] >= key_start)
+                x = sel(visible, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
                 rS[i] = x
                 mx = fmax(mx, x)
             m_run, corr, psum = softmax_exp2(rS, mx, m_run)
@@ -287,7 +304,7 @@ class QKInt8PrefillSm100:
             # K and V of this stage are consumed: prefetch tile it + kv_stages into it
             if warp == 0:
                 if it + ST < n_blocks:
-                    self._issue_kv(it + ST, stage, tmas, full, h_kv, b)
+                    self._issue_kv(kb0 + it + ST, stage, tmas, full, h_kv, b)
 
         # ---- epilogue: thread = row; O / l, LSE in natural log ------------------------------------------------
         inv, lse = row_epilogue(m_run, l_run, Float32(1.0))
@@ -310,7 +327,7 @@ class QKInt8PrefillSm100:
 
 def prefill_sm100_compile_args() -> list:
     """Placeholder arguments of :meth:`QKInt8PrefillSm100.__call__` to compile without a GPU (zero addresses)."""
-    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), Int32(0), Int32(0), cute.runtime.make_fake_stream()]
 
 
 def prefill_sm100_cache_key(arch: str, cfg: PrefillConfigSm100) -> tuple:
