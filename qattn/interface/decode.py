@@ -18,7 +18,7 @@ from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .variants import cache_for, kernel_arch
-from .window import kernel_edges, window_bounds, window_flags, window_ints
+from .window import resolve_window, window_ints
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -191,9 +191,8 @@ def _flash_attn_with_kvcache_eager(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table
-    left, right = window_bounds(window_ints(window_size), bool(causal), Sq, max_len)
-    upper, windowed = window_flags(left, right)
-    if windowed and (cache.recent_window or cache.sink_tokens):
+    window = resolve_window(window_size, causal, Sq, max_len)
+    if window.local and (cache.recent_window or cache.sink_tokens):
         raise ValueError(f"window_size: a sliding window over a cache with a recent-token ring or sink tokens "
                          f"(recent_window={cache.recent_window}, sink_tokens={cache.sink_tokens}) is not "
                          f"implemented; got {tuple(window_size)}")
@@ -210,11 +209,11 @@ def _flash_attn_with_kvcache_eager(
     if arch == "sm_100a":  # --- SM100 dispatch hook (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100
 
-        if windowed:
+        if window.local:
             raise NotImplementedError("window_size: sliding-window decode is not implemented on SM100 (compute "
                                       "capability 10.x) yet; window_size=(-1, -1)")
         return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
-                                             softmax_scale=softmax_scale, causal=upper, num_splits=num_splits,
+                                             softmax_scale=softmax_scale, causal=window.causal, num_splits=num_splits,
                                              return_lse=return_lse, out=out)
 
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
@@ -223,10 +222,10 @@ def _flash_attn_with_kvcache_eager(
     if num_splits == 0:
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        context = max_len if left < 0 else min(max_len, left + Sq + _tile_n(cache))  # the keys a window reads
+        context = max_len if window.left < 0 else min(max_len, window.left + Sq + _tile_n(cache))  # the keys a window reads
         num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=_tile_n(cache))
     split = num_splits > 1
-    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, upper, split, windowed)
+    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, window.causal, split, window.local)
 
     q = q.contiguous()
     block_table = block_table.contiguous()
@@ -251,7 +250,7 @@ def _flash_attn_with_kvcache_eager(
                    addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
                    addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots), addr(lay.k_sink), addr(lay.v_sink),
                    B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
-                   softmax_scale * math.log2(math.e), *kernel_edges(left, right), stream)
+                   softmax_scale * math.log2(math.e), *window.edges, stream)
         if split:
             fast(comb)(addr(o_part), addr(l_part), addr(out), addr(lse), B, Sq, Hq, num_splits, stream)
     return (out, lse) if return_lse else out

@@ -23,7 +23,7 @@ from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LON
                                                lpt_group, seqlen_tile_m, split_tail_plan)
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .variants import Variant, cache_for, kernel_arch, register
-from .window import kernel_edges, window_bounds as _window, window_flags as _window_flags, window_ints as _window_ints
+from .window import FULL, Window, resolve_window, window_ints as _window_ints
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
 
@@ -165,10 +165,10 @@ _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float, v_scale=None, qk_balance=None, window=(-1, -1), pdl: bool = False) -> None:
+            softmax_scale: float, v_scale=None, qk_balance=None, window: Window = FULL, pdl: bool = False) -> None:
     """``pdl``: the kernel launched just before on this stream is the prepass of these inputs (see the
-    kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only. ``window``: (left, right)
-    from :func:`_window`, which ``cfg.local`` / ``cfg.causal`` match."""
+    kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only. ``window``: the call's
+    :class:`~qattn.interface.window.Window`, whose flags ``cfg.causal`` / ``cfg.local`` are."""
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -189,7 +189,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
             softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
-            num_full, splits, addr(part), addr(count), int(pdl and count is None), *kernel_edges(*window),
+            num_full, splits, addr(part), addr(count), int(pdl and count is None), *window.edges,
             *_strides16(q_int8, seqlen_q, Hq),
             *_strides16(k_int8, seqlen_k, Hkv), *_strides16(None if v.dtype == torch.float8_e4m3fn else v, seqlen_k, Hkv),
             stream_handle(dev))
@@ -292,7 +292,7 @@ def prefill_int8(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
-    left, right = _window(_window_ints(window_size), bool(causal), Sq, Sk)
+    window = resolve_window(window_size, causal, Sq, Sk)
     if _check_arch(dev) == "sm_100a":
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
@@ -302,17 +302,15 @@ def prefill_int8(
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
         q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
-        prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse,
-                           causal=right >= 0, softmax_scale=softmax_scale, granularity=granularity,
-                           window=(left, right))
+        prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse, window=window,
+                           softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
     tuning = _tuning or {}  # _tuning: A/B overrides
-    upper, local = _window_flags(left, right)
-    long_tile = seqlen_tile_m(D, granularity, pv_dtype, upper, "int8", Sk)
+    long_tile = seqlen_tile_m(D, granularity, pv_dtype, window.causal, "int8", Sk)
     if long_tile is not None and "tile_m" not in tuning:
         tuning = {**tuning, "tile_m": long_tile}
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=upper, granularity=granularity,
-                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=local,
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
+                  pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=window.local,
                   **tuning)
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
@@ -320,7 +318,7 @@ def prefill_int8(
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             None, None,
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
-            None if qk_balance is None else qk_balance.contiguous(), (left, right), _pdl)
+            None if qk_balance is None else qk_balance.contiguous(), window, _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -395,17 +393,16 @@ def prefill_int8_varlen(
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, v.dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
-    left, right = _window(_window_ints(window_size), bool(causal), max_seqlen_q, max_seqlen_k)
-    upper, local = _window_flags(left, right)
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=upper, granularity=granularity,
-                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=local,
+    window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=window.causal, granularity=granularity,
+                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=window.local,
                   **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
             cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale, None,
-            None if qk_balance is None else qk_balance.contiguous(), (left, right), _pdl)
+            None if qk_balance is None else qk_balance.contiguous(), window, _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -426,25 +423,24 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
-    left, right = _window(_window_ints(window_size), bool(causal), max_seqlen_q if varlen else q.shape[1],
-                          max_seqlen_k if varlen else k.shape[1])
-    upper, local = _window_flags(left, right)
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=upper, granularity="per_block",
-                  varlen=varlen, qk_dtype="bf16", local=local)
+    window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
+                            max_seqlen_k if varlen else k.shape[1])
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=window.causal, granularity="per_block",
+                  varlen=varlen, qk_dtype="bf16", local=window.local)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if varlen:
         num_seqs = cu_q.shape[0] - 1
         lse = torch.empty((Hq, q.shape[0]), dtype=torch.float32, device=q.device)
         _launch(cfg, q, k, v, out, lse, None, None, cu_q.contiguous(), cu_k.contiguous(), 1, num_seqs, q.shape[0],
-                k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale, None, None, (left, right))
+                k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale, None, None, window)
     else:
         B, Sq = q.shape[:2]
         if k.shape[0] != B:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
         _launch(cfg, q, k, v, out, lse, None, None, None, None, B, B, Sq, k.shape[1], Sq, Hq, Hkv, 0, 0,
-                softmax_scale, None, None, (left, right))
+                softmax_scale, None, None, window)
     return out, lse
 
 
@@ -491,7 +487,7 @@ def flash_attn_func(
     NotImplementedError (no soft-capping, ALiBi or dropout here). ``deterministic`` is accepted either way: every
     launch is deterministic (split units merge in a fixed order).
     """
-    _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
     window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
@@ -513,11 +509,10 @@ def flash_attn_func(
     return (out, lse) if return_lse else out
 
 
-def _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic) -> None:
+def _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic) -> None:
     """FlashAttention's keywords that qattn takes only at their "off" values (see :func:`flash_attn_func`)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise NotImplementedError(f"dropout_p: qattn's prefill is for inference; 0.0 only, got {dropout_p!r}")
-    _window_ints(window_size)
     if softcap not in (0, None) or isinstance(softcap, bool):  # (0.0 == 0)
         raise NotImplementedError(f"softcap: score soft-capping is not implemented; 0.0 only, got {softcap!r}")
     if alibi_slopes is not None:
@@ -599,7 +594,7 @@ def flash_attn_varlen_func(
     (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``balance_qk`` and
     FlashAttention's other keywords (``dropout_p``, ``window_size``, ...) as in :func:`flash_attn_func` (one
     balance per sequence)."""
-    _check_fa_keywords(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
     window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")

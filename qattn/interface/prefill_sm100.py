@@ -44,7 +44,7 @@ def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16",
 def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str,
                              local: bool = False):
     """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments (``causal`` /
-    ``local``: ``qattn.interface.window.window_flags`` of the call's window)."""
+    ``local``: the flags of the call's ``qattn.interface.window.Window``)."""
     from ..cute_kernels.sm100.prefill_config import PrefillConfigSm100
 
     if v_dtype not in _V_DTYPES:
@@ -77,23 +77,21 @@ def _launch(cfg, args: tuple, device: torch.device) -> None:
 
 
 def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,
-                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                       granularity: str, window: tuple = (-1, -1)) -> None:
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, window, softmax_scale: float,
+                       granularity: str) -> None:
     """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
     q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
-    writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: (left, right) from
-    ``qattn.interface.window.window_bounds`` (``causal`` folded in already)."""
-    from .window import kernel_edges, window_flags
+    writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: the call's ``qattn.interface.window.Window``
+    (causal mask and sliding window)."""
 
     B, Sq, Hq, D = q_int8.shape
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
     if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
-    upper, local = window_flags(*window)
-    cfg = sm100_prefill_config_for(D, v.dtype, upper or causal, granularity, local)
+    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
-            softmax_scale * math.log2(math.e), *kernel_edges(*window))
+            softmax_scale * math.log2(math.e), *window.edges)
     _launch(cfg, args, q_int8.device)
 
 

@@ -8,8 +8,10 @@ Query i of a sequence sees keys j with i + seqlen_k - seqlen_q - left <= j <= i 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
-__all__ = ["NO_LEFT_EDGE", "window_ints", "window_bounds", "window_flags", "kernel_edges"]
+__all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
+           "kernel_edges"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30
@@ -25,7 +27,6 @@ def window_ints(window_size) -> tuple[int, int]:
     return ws
 
 
-@functools.lru_cache(maxsize=4096)
 def window_bounds(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
     """(left, right) of ``window_ints(window_size)`` with ``causal`` folded in (right = 0). A bound that no row of
     any sequence up to these lengths reaches becomes -1, which changes no output and keeps the plain kernels for
@@ -51,3 +52,31 @@ def window_flags(left: int, right: int) -> tuple[bool, bool]:
 def kernel_edges(left: int, right: int) -> tuple[int, int]:
     """The (window_left, window_right) runtime arguments of a window kernel."""
     return (NO_LEFT_EDGE if left < 0 else left), max(right, 0)
+
+
+class Window(NamedTuple):
+    """A call's window as the kernels take it: the normalized bounds, the compile-time flags, the runtime edges."""
+
+    left: int
+    right: int
+    causal: bool  # the kernel's upper bound (a causal mask, moved by ``right`` when ``local``)
+    local: bool  # the kernel's window variant
+
+    @property
+    def edges(self) -> tuple[int, int]:
+        return kernel_edges(self.left, self.right)
+
+
+FULL = Window(-1, -1, False, False)
+
+
+def resolve_window(window_size, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> Window:
+    """``window_size`` (validated) and ``causal`` for sequences of at most these lengths: :func:`window_bounds`,
+    then :func:`window_flags` (remembered per argument tuple: no Python work per call beyond the validation)."""
+    return _resolved(window_ints(window_size), bool(causal), max_seqlen_q, max_seqlen_k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> Window:
+    left, right = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
+    return Window(left, right, *window_flags(left, right))

@@ -110,7 +110,7 @@ def test_flash_attn_keywords_at_their_off_values(varlen):
 def test_window_bounds_that_cut_nothing_are_dropped(causal, window, sq, sk, expect):
     """``_window``: FlashAttention's (left, right) with causal folded in; a bound no row reaches becomes -1 (the
     plain kernels), checked against the reference mask (same output)."""
-    from qattn.interface.prefill import _window, _window_ints
+    from qattn.interface.window import window_bounds as _window, window_ints as _window_ints
     from qattn.reference import attention_reference
 
     got = _window(_window_ints(window), causal, sq, sk)

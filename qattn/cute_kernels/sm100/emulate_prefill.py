@@ -86,12 +86,12 @@ def emulate_prefill_sm100(
     ks_h = ks.double().repeat_interleave(group, dim=1)  # (B, Hq, n_kb)
     out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
     lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
-    from qattn.interface.window import kernel_edges, window_bounds, window_flags, window_ints
+    from qattn.interface.window import resolve_window
 
     # what prefill_int8 launches for these arguments: the causal flag, the window flag and the runtime edges
-    w_left, w_right = window_bounds(window_ints(window_size), bool(causal), Sq, Sk)
-    causal, local = window_flags(w_left, w_right)
-    w_left, w_right = kernel_edges(w_left, w_right)
+    window = resolve_window(window_size, causal, Sq, Sk)
+    causal, local = window.causal, window.local
+    w_left, w_right = window.edges
     diag = Sk - Sq
     n_mb = -(-Sq // BLOCK_Q)
     for mb in range(n_mb):
