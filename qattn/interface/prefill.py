@@ -556,7 +556,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
-        vt, vs = quantize_v_fp8(v)
+        vt, vs = quantize_v_fp8(v, _pdl=True)  # right after the K (or Q / K) prepass, which does not write v
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                             return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
                             window_size=window, _pdl=True)

@@ -105,12 +105,13 @@ def _v_kernels(arch: str, head_dim: int, in_bf16: bool):
             fast(m.compiled_transpose(m.VFp8TransposeQuant(head_dim, in_bf16), arch)))
 
 
-def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The V prepass on the GPU (:mod:`qattn.cute_kernels.sm90.v_fp8_quant`, two launches on the current
-    stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte.
+def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The V prepass on the GPU (:mod:`qattn.cute_kernels.sm90.v_fp8_quant`, two or three launches on the
+    current stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte.
 
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
-    they are when 16-byte aligned, otherwise ``v`` is copied)."""
+    they are when 16-byte aligned, otherwise ``v`` is copied). ``_pdl`` (``flash_attn_func`` only): the kernel
+    launched just before did not write ``v``, so the first launch may start while it ends."""
     from ..interface.fast_launch import on_device, stream_handle
     from ..interface.variants import supported_arch
     from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
@@ -145,8 +146,9 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16)
         num_chunks, chunk_rows = _k_chunks(Sk, B * H, rows_per_step, _num_sms(dev))
         partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
-        amax_k(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, stream)
+        amax_k(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, int(_pdl), stream)
         partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
+        # pdl: after the kernel that wrote the partials (the fold, or the amax kernel for one chunk)
         tq(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
-           sk_pad // V_TILE, sb, ss, sh, stream)
+           sk_pad // V_TILE, sb, ss, sh, 1, stream)
     return vt.view(torch.float8_e4m3fn), scale

@@ -538,6 +538,39 @@ def test_v_fp8_prepass_matches_reference(poison_v_prepass, B, Sk, H, D, dtype):
     assert torch.equal(vt.view(torch.uint8), vt_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("B,Sk,H,D", [(2, 3000, 2, 128), (1, 129, 3, 64), (2, 20000, 1, 128)])
+def test_v_fp8_prepass_pdl_chain(monkeypatch, B, Sk, H, D):
+    """The V prepass as ``flash_attn_func`` launches it (``_pdl``: its amax kernel a programmatic dependent of the
+    K prepass's last kernel; the fold and transpose kernels of the one before them): right after a K prepass on
+    the same stream, three times back to back, the same bytes as the reference; and ``flash_attn_func`` with FP8
+    P.V gives the same bits as with the V prepass launched plainly. (No poisoning allocator here: its fill
+    kernels would run between the two prepasses.)"""
+    import qattn
+    import qattn.quant.v_fp8 as V
+    from qattn.quant.launch import quantize_k_int8
+
+    g = torch.Generator(device="cuda").manual_seed(Sk + D)
+    k, v = ((torch.randn(B, Sk, H, D, device="cuda", generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    vt_ref, vs_ref = V.quantize_v_fp8_reference(v)
+    for _ in range(3):
+        quantize_k_int8(k)
+        vt, vs = V.quantize_v_fp8(v, _pdl=True)
+        assert torch.equal(vs, vs_ref) and torch.equal(vt.view(torch.uint8), vt_ref.view(torch.uint8))
+
+    q = (torch.randn(B, min(Sk, 1024), 2 * H, D, device="cuda", generator=g)).to(torch.bfloat16)
+    with_pdl = [qattn.flash_attn_func(q, k, v, causal=True, pv_dtype="fp8", return_lse=True) for _ in range(2)]
+    orig = V._v_kernels
+
+    def plain(arch, d, in_bf16):  # every V prepass kernel launched plainly (pdl = 0)
+        rows, amax, transpose = orig(arch, d, in_bf16)
+        return rows, (lambda *a: amax(*a[:-2], 0, a[-1])), (lambda *a: transpose(*a[:-2], 0, a[-1]))
+
+    monkeypatch.setattr(V, "_v_kernels", plain)
+    ref = qattn.flash_attn_func(q, k, v, causal=True, pv_dtype="fp8", return_lse=True)
+    for o, lse in with_pdl:
+        assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
+
+
 def _run_fp8(q8, qs, k8, ks, vt, vs, causal, granularity, out_dtype):
     """Whole units (no ``split_tail``): the emulation rounds P against one running max per row, while a split
     unit rounds it against each split's own (``test_split_tail_matches_whole_units``)."""

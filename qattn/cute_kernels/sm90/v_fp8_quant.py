@@ -22,6 +22,11 @@ Launches on the stream (one read of V each for the first and the last):
    bytes of one channel (16 shared loads, 4 x 2 cvt.rn.satfinite.e4m3x2.f32, one 16-byte store); a warp covers
    32 channels of the same 16 positions (conflict-free shared reads).
 
+Programmatic dependent launches (``pdl``): the fold and the transpose kernel are launched as dependents of the
+kernel before them (the amax kernel triggers at its start; the transpose kernel loads its V tile before it waits
+for the partials); in ``flash_attn_func`` the amax kernel is one too, of the K prepass's last kernel (which does
+not write V), and waits for it before it exits, so the kernels after it still see the K prepass done.
+
 Dense only (no varlen layout yet).
 """
 
@@ -84,14 +89,20 @@ class VAmaxPartial:
     @cute.jit
     def __call__(self, x_addr: Int64, partial_addr: Int64, batch: Int32, seqlen: Int32, num_heads: Int32,
                  num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64,
-                 stream: cuda.CUstream):
+                 pdl: Int32, stream: cuda.CUstream):
+        """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel before it, which must not write V
+        (``flash_attn_func``: the K prepass's last kernel): this grid reads V while that one ends, and waits for
+        it (``griddepcontrol.wait``) before it exits, so that whatever waits for this grid waits for both."""
         self.kernel(x_addr, partial_addr, seqlen, num_heads, num_chunks, chunk_rows, stride_b, stride_s,
-                    stride_h).launch(grid=(num_chunks, num_heads, batch), block=(self.threads, 1, 1), stream=stream)
+                    stride_h).launch(grid=(num_chunks, num_heads, batch), block=(self.threads, 1, 1), stream=stream,
+                                     use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x_addr: Int64, partial_addr: Int64, seqlen: Int32, num_heads: Int32, num_chunks: Int32,
                chunk_rows: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64):
         D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
+        # the fold of the partials (launched with pdl) may be scheduled now: it waits for this grid's end
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         chunk, head, b = cute.arch.block_idx()
         part = tidx % TPR
@@ -132,6 +143,9 @@ class VAmaxPartial:
             row_addr = partial_addr + (bh * Int64(num_chunks) + Int64(chunk)) * Int64(D * 4)
             mOut = cute.make_tensor(_gptr(Float32, row_addr, 4), cute.make_layout(D))
             mOut[tidx] = total
+        # ``pdl``: the kernel before this one (which wrote nothing this grid reads) is complete when this grid is;
+        # the kernels after it wait for this grid only (a no-op in a plain launch)
+        cute.arch.griddepcontrol_wait()
 
 
 class VFp8TransposeQuant:
@@ -156,10 +170,12 @@ class VFp8TransposeQuant:
     @cute.jit
     def __call__(self, x_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64, batch: Int32,
                  seqlen: Int32, num_heads: Int32, num_chunks: Int32, num_tiles: Int32, stride_b: Int64,
-                 stride_s: Int64, stride_h: Int64, stream: cuda.CUstream):
+                 stride_s: Int64, stride_h: Int64, pdl: Int32, stream: cuda.CUstream):
+        """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel that wrote ``partial`` (the amax
+        or fold kernel): this grid loads its V tile while that one ends and waits before reading the partials."""
         self.kernel(x_addr, partial_addr, vt_addr, scale_addr, seqlen, num_heads, num_chunks, num_tiles, stride_b,
                     stride_s, stride_h).launch(grid=(num_tiles, num_heads, batch), block=(self.threads, 1, 1),
-                                               stream=stream)
+                                               stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64, seqlen: Int32,
@@ -185,6 +201,9 @@ class VFp8TransposeQuant:
             if row < seqlen:
                 src = base + Int64(row) * stride_s * Int64(2)
                 cute.copy(vec128, cute.make_tensor(_gptr(Uint32, src, 16), cute.make_layout(4)), rX[None, p])
+
+        # ``pdl``: the partials of the kernel before are read only from here on (a no-op in a plain launch)
+        cute.arch.griddepcontrol_wait()
 
         smem = cutlass.memory.SmemAllocator()
         sInv = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
@@ -233,12 +252,12 @@ class VFp8TransposeQuant:
 
 def amax_placeholder_args() -> tuple:
     return ((Int64(0), Int64(0)) + tuple(Int32(1) for _ in range(5)) + tuple(Int64(1) for _ in range(3))
-            + (cute.runtime.make_fake_stream(),))
+            + (Int32(0), cute.runtime.make_fake_stream(),))
 
 
 def transpose_placeholder_args() -> tuple:
     return (tuple(Int64(0) for _ in range(4)) + tuple(Int32(1) for _ in range(5)) + tuple(Int64(1) for _ in range(3))
-            + (cute.runtime.make_fake_stream(),))
+            + (Int32(0), cute.runtime.make_fake_stream(),))
 
 
 def compiled_amax(cfg: VAmaxPartial, arch: str):
