@@ -129,7 +129,8 @@ def _flash_attn_with_kvcache_eager(
     sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
     (query i sees keys j <= i + len - seqlen_q). ``window_size=(left, right)``: FlashAttention's sliding window,
     query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
-    0); the pages left of the window are not read (caches without a recent-token ring or sink tokens; SM90).
+    0); the pages left of the window are not read (caches without a recent-token ring or sink tokens; on SM100
+    compile-checked and emulated only).
     ``num_splits`` = 0 picks the split-KV count from host-known sizes.
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
 
@@ -209,11 +210,8 @@ def _flash_attn_with_kvcache_eager(
     if arch == "sm_100a":  # --- SM100 dispatch hook (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100
 
-        if window.local:
-            raise NotImplementedError("window_size: sliding-window decode is not implemented on SM100 (compute "
-                                      "capability 10.x) yet; window_size=(-1, -1)")
         return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
-                                             softmax_scale=softmax_scale, causal=window.causal, num_splits=num_splits,
+                                             softmax_scale=softmax_scale, window=window, num_splits=num_splits,
                                              return_lse=return_lse, out=out)
 
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic

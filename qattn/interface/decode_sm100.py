@@ -20,7 +20,10 @@ __all__ = ["flash_attn_with_kvcache_sm100", "sm100_config_for"]
 _NUM_SMS: dict = {}
 
 
-def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool):
+def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool,
+                     window: bool = False):
+    """The :class:`DecodeConfigSm100` the launcher uses (``causal`` / ``window``: the flags of
+    ``qattn.interface.window.resolve_window`` for the call)."""
     from ..cute_kernels.sm100.decode_config import DecodeConfigSm100, check_rows
 
     if cache.recent_window:
@@ -29,11 +32,13 @@ def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: boo
         raise ValueError("cache: the SM100 decode kernel does not read the sink buffer yet (sink_tokens > 0)")
     check_rows(seqlen_q, group)
     return DecodeConfigSm100(cache.k_format, cache.v_format, cache.head_dim, q_dtype, group, cache.page_size,
-                             bool(causal), bool(split))
+                             bool(causal), bool(split), window=bool(window))
 
 
 def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_slots=None, layer=0,
-                                  softmax_scale=None, causal=True, num_splits=0, return_lse=False, out=None):
+                                  softmax_scale=None, window=None, num_splits=0, return_lse=False, out=None):
+    """``window``: the call's :class:`qattn.interface.window.Window` (``decode.py`` resolved it; causal decode
+    without one)."""
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64
 
@@ -48,12 +53,19 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
     group = Hq // H
     qd = "bf16" if q.dtype == torch.bfloat16 else "f16"
     dev = q.device
+    if window is None:
+        from .window import resolve_window
+
+        window = resolve_window((-1, -1), True, Sq, block_table.shape[1] * cache.page_size)
     if num_splits == 0:
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        num_splits = num_splits_heuristic(B, H, block_table.shape[1] * cache.page_size, _NUM_SMS[dev], tile_n=128)
+        context = block_table.shape[1] * cache.page_size
+        if window.left >= 0:  # the keys a window reads
+            context = min(context, window.left + Sq + 128)
+        num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=128)
     split = num_splits > 1
-    cfg = sm100_config_for(cache, qd, group, Sq, causal, split)
+    cfg = sm100_config_for(cache, qd, group, Sq, window.causal, split, window.local)
     arch = "sm_100a"
     kern = cache_for("decode").get(decode_sm100_cache_key(arch, cfg), lambda: compile_for_arch(
         DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
@@ -79,7 +91,7 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
              addr(lay.k_global_scale), addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
              addr(block_table.contiguous()), addr(cache_seqlens), addr(o_dst), addr(l_dst),
              Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks), Int32(num_splits),
-             Float32(softmax_scale * math.log2(math.e)), stream)
+             Float32(softmax_scale * math.log2(math.e)), *(Int32(e) for e in window.edges), stream)
         if split:
             comb = CombineSplits(D, qd)
             ck = cache_for("combine").get(combine_cache_key(arch, comb), lambda: compile_for_arch(

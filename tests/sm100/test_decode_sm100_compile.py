@@ -46,3 +46,22 @@ def test_config_rejects():
         DecodeConfigSm100(kv_format("mxfp4"), kv_format("mxfp4"), 64, "bf16", 8, 16, True, False)
     with pytest.raises(ValueError, match="page_size"):
         DecodeConfigSm100(kv_format("nvfp4"), kv_format("nvfp4"), 128, "bf16", 8, 8, True, False)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_sm100_window_compiles(split):
+    """The sliding-window variant (``window``): the same MMAs, TMEM traffic and loads as the causal kernel; the
+    splits start at the first visible tile and each row masks its left edge (never ran on hardware)."""
+    fmt = kv_format("nvfp4")
+    plain = DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split)
+    cfg = DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split, window=True)
+    assert cfg.key == plain.key + ("window",)
+    ptx = compile_sm100_timed("sm100_decode", ("nvfp4", 128, 64, 8, "window", split), DecodeSm100(cfg),
+                              decode_sm100_compile_args())
+    ref = compile_sm100_timed("sm100_decode", ("nvfp4", 128, 64, 8, "plain", split), DecodeSm100(plain),
+                              decode_sm100_compile_args())
+    for op in (r"tcgen05\.mma\.cta_group::1\.", r"tcgen05\.cp\.", r"cp\.async\.bulk\.tensor", r"tcgen05\.ld\.sync",
+               r"tcgen05\.st\.sync", r"tcgen05\.commit"):
+        assert ptx_count(ptx, op) == ptx_count(ref, op) > 0, op
+    # one more compare-and-select per score (the left edge) than the causal kernel
+    assert ptx_count(ptx, r"selp\.f32") >= ptx_count(ref, r"selp\.f32") + 128

@@ -46,20 +46,34 @@ def test_sm100_config_limits():
                          True, False)
 
 
-def test_sm100_decode_window_raises_before_any_launch(monkeypatch):
+def test_sm100_decode_window_reaches_the_kernel(monkeypatch):
+    """window_size on SM100: the launcher gets the resolved Window (flags and runtime edges of the window variant,
+    compile-checked and emulated only); windows no row reaches are the plain causal kernel; bad ones raise."""
     import qattn.interface.decode_sm100 as d100
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: "sm100")
+    seen = []
+    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: seen.append(k["window"]) or "sm100")
     cache = PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
     q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([4, 41], dtype=torch.int32)
     table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="window_size: sliding-window decode is not implemented on SM100"):
-        dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(16, 0))
-    # no window, or one longer than the block table holds: the SM100 kernel
-    assert dec.flash_attn_with_kvcache(q, cache, lens, table) == "sm100"
-    assert dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(47, 0)) == "sm100"
+    assert dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(16, 0)) == "sm100"
+    w = seen[-1]
+    assert (w.causal, w.local, w.edges) == (True, True, (16, 0))
+    # no window, or one longer than the block table holds: the plain causal kernel
+    dec.flash_attn_with_kvcache(q, cache, lens, table)
+    dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(47, 0))
+    assert all((w.causal, w.local) == (True, False) for w in seen[1:])
     with pytest.raises(ValueError, match="window_size"):
         dec.flash_attn_with_kvcache(q, cache, lens, table, window_size=(-3, 0))
+
+
+def test_sm100_decode_window_config_and_split_context():
+    """The window flag picks the kernel's window variant (its own compile-cache key); the split heuristic sizes
+    on the keys the window reads."""
+    cache = PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
+    plain = sm100_config_for(cache, "bf16", 4, 1, True, False)
+    local = sm100_config_for(cache, "bf16", 4, 1, True, False, window=True)
+    assert local.window and not plain.window and local.key != plain.key and local.key[:-1] == plain.key

@@ -28,6 +28,19 @@ def test_warmed_keys_are_the_launcher_keys():
     assert {v.label for v in enumerate_variants("combine", "sm_100a", head_dims=[128])} == {"D128 out bf16"}
 
 
+def test_sliding_window_twins_are_the_launcher_keys():
+    """``qattn-warmup --sliding-window`` adds each SM100 decode variant's window twin, with the key the launcher
+    builds for a window (never ran on hardware)."""
+    kw = dict(kv_formats=["nvfp4"], head_dims=[128], gqa=[8], page_sizes=[64])
+    plain = {v.key for v in enumerate_variants("decode", "sm_100a", **kw)}
+    both = {v.key for v in enumerate_variants("decode", "sm_100a", sliding_window=True, **kw)}
+    assert plain < both and len(both) == 2 * len(plain)
+    cache = qattn.PagedKVCache(1, 4, 64, 2, 128, "nvfp4")
+    for split in (False, True):
+        cfg = sm100_config_for(cache, "bf16", 8, 1, True, split, window=True)
+        assert decode_sm100_cache_key("sm_100a", cfg) in both - plain
+
+
 @pytest.mark.compile
 def test_warmup_cli_compiles_sm100_decode_on_the_cpu(tmp_path):
     from tests.interface.test_warmup import check_compiles_then_cached

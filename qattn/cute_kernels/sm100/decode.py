@@ -31,6 +31,9 @@ One CTA = one (split, kv head, sequence); 128 threads, thread t = TMEM lane t = 
   scale factors): V payload + scales arrive by TMA into staging buffers; each thread dequantizes one token
   row (E2M1 x block scale, exact in f16 for nvfp4 and in bf16 for MX scales) into the P.V MMA's B operand
   (MN-major, head_dim contiguous) in SMEM; P.V is a plain 16-bit tcgen05 MMA with P read from TMEM.
+* **Sliding window** (``cfg.window``; runtime ``window_left`` / ``window_right``, FlashAttention's semantics as
+  ``qattn.interface.window`` normalizes them): the tile list starts at the tile holding the first query's first
+  visible key, and each row masks positions left of its window as well as past its (shifted) causal edge.
 * **Split-KV**: split s of ``num_splits`` takes a contiguous range of 128-token tiles and writes its normalized
   fp32 partial O (num_splits, B, Sq, Hq, D) and natural-log LSE (num_splits, B, Hq, Sq): the layout
   ``combine.py`` merges, as on SM90. num_splits = 1 writes the output (q dtype) and LSE directly.
@@ -43,6 +46,7 @@ no S/P double buffering yet. The parts of the loop shared with ``prefill_int8.py
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import cuda.bindings.driver as cuda
@@ -117,9 +121,10 @@ class DecodeSm100:
         vd_addr: Int64, vs_addr: Int64, vg_addr: Int64,
         bt_addr: Int64, sl_addr: Int64, o_addr: Int64, lse_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, scale_log2: Float32,
+        num_splits: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
         stream: cuda.CUstream,
     ):
+        """``window_left`` / ``window_right``: the sliding window's edges (``cfg.window``; unread otherwise)."""
         cfg = self.cfg
         D = self.D
         fp4 = cutlass.Float4E2M1FN
@@ -180,7 +185,8 @@ class DecodeSm100:
         self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_qsf, tma_mQSF, tma_k, tma_mK, tma_v, tma_mV, tma_ks, tma_mKS,
                     tma_vs, tma_mVS, q_smem, k_smem, k_piece_smem, sfq_smem, sfk_smem, p_tmem, v_smem,
                     qrs_addr, kg_addr, vg_addr, bt_addr, sl_addr, o_addr, lse_addr,
-                    batch, seqlen_q, num_kv_heads, max_blocks, num_blocks, num_splits, scale_log2).launch(
+                    batch, seqlen_q, num_kv_heads, max_blocks, num_blocks, num_splits, scale_log2, window_left,
+                    window_right).launch(
                         grid=(num_splits, num_kv_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
                         stream=stream)
 
@@ -197,7 +203,7 @@ class DecodeSm100:
         qrs_addr: Int64, kg_addr: Int64, vg_addr: Int64, bt_addr: Int64, sl_addr: Int64, o_addr: Int64,
         lse_addr: Int64,
         batch: Int32, seqlen_q: Int32, num_kv_heads: Int32, max_blocks: Int32, num_blocks: Int32,
-        num_splits: Int32, scale_log2: Float32,
+        num_splits: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
     ):
         cfg = self.cfg
         D, G, S, P, NP = self.D, cfg.group, cfg.stages, self.P, self.n_pieces
@@ -293,8 +299,12 @@ class DecodeSm100:
         tmas = (tma_k, tCgK, k_piece_smem, tma_v, gV, tma_ks, gKS, tma_vs, gVS)
         # ---- this split's tiles -------------------------------------------------------------------------------
         n_tiles = (kv_len + (TILE_N - 1)) // TILE_N
-        per = (n_tiles + num_splits - 1) // num_splits
-        t_begin = split * per
+        first_t = Int32(0)  # window: the tile holding the first query's first visible key; no split reads before
+        if cutlass.const_expr(cfg.window):
+            first_t = sel(kv_len - seqlen_q > window_left, (kv_len - seqlen_q - window_left) // TILE_N, 0, Int32)
+            n_tiles = sel(n_tiles > first_t, n_tiles, first_t, Int32)
+        per = (n_tiles - first_t + num_splits - 1) // num_splits
+        t_begin = first_t + split * per
         t_end = sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
         n_my = sel(t_end > t_begin, t_end - t_begin, 0, Int32)
 
@@ -317,7 +327,12 @@ class DecodeSm100:
         lim = kv_len - 1
         if cutlass.const_expr(cfg.causal):
             lim = kv_len - seqlen_q + i_q  # end-aligned causal mask
+            if cutlass.const_expr(cfg.window):
+                lim = lim + window_right
         lim = sel(lim < kv_len - 1, lim, kv_len - 1, Int32)
+        low = Int32(0)  # window: this row's first visible key
+        if cutlass.const_expr(cfg.window):
+            low = kv_len - seqlen_q + i_q - window_left
         sl2 = scale_log2 * mQRS[(b * num_kv_heads + h) * ROWS + r]
         if cutlass.const_expr(cfg.k_fmt.has_global_scale):
             mKG = cute.make_tensor(cute.make_ptr(Float32, kg_addr, gmem, assumed_align=4),
@@ -374,6 +389,8 @@ class DecodeSm100:
             for i in cutlass.range_constexpr(cute.size(rS)):
                 pos = tile * TILE_N + tSc[i][1]
                 x = sel(pos <= lim, rS[i] * sl2, Float32(-math.inf), Float32)
+                if cutlass.const_expr(cfg.window):
+                    x = sel(pos >= low, x, Float32(-math.inf), Float32)
                 rS[i] = x
                 mx = fmax(mx, x)
             m_run, corr, psum = softmax_exp2(rS, mx, m_run)
@@ -528,7 +545,7 @@ def _ue8m0_to_f32(byte, *, loc=None, ip=None) -> Float32:
 
 def decode_sm100_compile_args() -> list:
     """Placeholder arguments of :meth:`DecodeSm100.__call__` to compile without a GPU (zero addresses)."""
-    return [Int64(0)] * 13 + [Int32(1)] * 6 + [Float32(1.0), cute.runtime.make_fake_stream()]
+    return [Int64(0)] * 13 + [Int32(1)] * 6 + [Float32(1.0), Int32(0), Int32(0), cute.runtime.make_fake_stream()]
 
 
 def decode_sm100_cache_key(arch: str, cfg: DecodeConfigSm100) -> tuple:
@@ -536,11 +553,12 @@ def decode_sm100_cache_key(arch: str, cfg: DecodeConfigSm100) -> tuple:
 
 
 def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
-                          recent_windows=None, q_dtypes=None) -> list:
+                          recent_windows=None, q_dtypes=None, sliding_window: bool = False) -> list:
     """``qattn-warmup`` variants of the SM100 decode kernel, built through the launcher's own config choice
     (``qattn.interface.decode_sm100.sm100_config_for``'s rules): FP4 K and V formats only, causal, with and without
-    split-KV. Combinations the kernel rejects (ring windows, > 128 rows, non-FP4 formats, mxfp4 at head_dim 64)
-    are skipped. Never ran on hardware: these variants are compiled for images, not tested."""
+    split-KV (``sliding_window``: also each one's window twin). Combinations the kernel rejects (ring windows,
+    > 128 rows, non-FP4 formats, mxfp4 at head_dim 64) are skipped. Never ran on hardware: these variants are
+    compiled for images, not tested."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
     from qattn.cute_kernels.sm100.decode_config import HEAD_DIMS, PAGE_SIZES, ROWS
     from qattn.interface.variants import Variant
@@ -561,9 +579,10 @@ def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, 
                         if sq * g > ROWS:
                             continue
                         for qd in q_dtypes or ["bf16"]:
-                            for split in (False, True):
+                            for split, window in itertools.product((False, True),
+                                                                   (False, True) if sliding_window else (False,)):
                                 try:
-                                    cfg = DecodeConfigSm100(k_fmt, v_fmt, d, qd, g, page, True, split)
+                                    cfg = DecodeConfigSm100(k_fmt, v_fmt, d, qd, g, page, True, split, window=window)
                                 except ValueError:  # a format / head_dim the SM100 kernel does not take
                                     continue
                                 key = decode_sm100_cache_key(arch, cfg)
@@ -573,6 +592,7 @@ def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, 
                                 build = (lambda cfg=cfg: compile_for_arch(
                                     DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
                                 label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + ("" if qd == "bf16" else f" {qd}")
-                                         + (" split" if split else "") + " (sm100, never ran)")
+                                         + (" split" if split else "") + (" window" if window else "")
+                                         + " (sm100, never ran)")
                                 out.append(Variant("decode", key, label, build))
     return out

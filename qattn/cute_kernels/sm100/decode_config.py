@@ -62,6 +62,11 @@ class DecodeConfigSm100:
     split: bool  # fp32 partial O + LSE for combine.py instead of the output
     q_terms: int = 2  # Q = sum of q_terms FP4 tensors (2, default: residual split, ~8x less Q error; 1: plain)
     stages: int = 2  # TMA stages of the (K payload, K scales, V payload, V scales) tile
+    # sliding window (FlashAttention's ``window_size``): row i_q sees positions >= len - seqlen_q + i_q -
+    # window_left (runtime) and, with ``causal``, <= len - seqlen_q + i_q + window_right (runtime); the splits
+    # share the tiles from the one holding the first query's first visible key. Without it the window
+    # arguments are unused.
+    window: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -109,7 +114,7 @@ class DecodeConfigSm100:
     def key(self) -> tuple:
         f = lambda x: (x.payload, x.scale_dtype, x.scale_block, x.has_global_scale)  # noqa: E731
         return ("sm100_decode", f(self.k_fmt), f(self.v_fmt), self.head_dim, self.q_dtype, self.group,
-                self.page_size, self.causal, self.split, self.q_terms, self.stages)
+                self.page_size, self.causal, self.split, self.q_terms, self.stages) + (("window",) if self.window else ())
 
 
 def check_rows(seqlen_q: int, group: int) -> None:

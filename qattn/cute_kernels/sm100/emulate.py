@@ -9,7 +9,10 @@ Per (sequence b, kv head h), rows r = i_q * G + g packed into 128, tiles of 128 
    block-scaled MMA multiplies. Products are exact; the MMA's fp32 accumulation order is not specified by PTX,
    so S_raw is modelled as the exact (fp64) dot product rounded once to fp32 (the hardware's rounding can
    differ in the last bits: a relative 2^-24-ish effect, far below every other error here).
-3. s = S_raw * (scale_log2 * q_rs[r] * k_global) in fp32, masked (end-aligned causal, kv_len).
+3. s = S_raw * (scale_log2 * q_rs[r] * k_global) in fp32, masked (end-aligned causal, kv_len; with a
+   ``window_size``, positions outside the row's window too: the host's normalization and flags,
+   ``qattn.interface.window``, and the kernel's tile range, whose splits share the tiles from the one holding the
+   first query's first visible key).
 4. Online softmax per tile in fp32 (ex2 modelled as exact exp2 rounded to fp32): m, corr = 2^(m_old - m),
    p = 2^(s - m), l = l * corr + sum(p) with the *unrounded* p; O = O * corr.
 5. P rounded to the V MMA type (f16 for nvfp4 V, bf16 for MX V); V = E2M1 x block scale rounded to that type
@@ -53,10 +56,16 @@ def _gather(cache: PagedKVCache, layer: int, which: str, block_table, b: int, h:
 
 def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, layer: int = 0,
                          softmax_scale=None, causal: bool = True, num_splits: int = 1, q_terms: int = 1,
-                         return_lse: bool = False):
+                         return_lse: bool = False, window_size: tuple = (-1, -1)):
     """The SM100 kernel's output (B, Sq, Hq, D) fp32 and LSE (B, Hq, Sq), computed on the CPU as described in
     the module docstring."""
+    from qattn.interface.window import resolve_window
+
     B, Sq, Hq, D = q.shape
+    # what flash_attn_with_kvcache launches for these arguments: the causal / window flags and the runtime edges
+    window = resolve_window(window_size, causal, Sq, block_table.shape[1] * cache.page_size)
+    causal = window.causal
+    w_left, w_right = window.edges
     H = cache.num_kv_heads
     G = Hq // H
     rows = Sq * G
@@ -74,9 +83,11 @@ def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, 
         L = int(cache_seqlens[b])
         lim = torch.full((ROWS,), L - 1, dtype=torch.long)
         if causal:
-            lim = torch.minimum(L - Sq + i_q, lim)
+            lim = torch.minimum(L - Sq + i_q + (w_right if window.local else 0), lim)
+        low = L - Sq + i_q - w_left if window.local else torch.zeros(ROWS, dtype=torch.long)
         n_tiles = -(-L // TILE_N)
-        per = -(-n_tiles // num_splits) if n_tiles else 0
+        first_t = max(L - Sq - w_left, 0) // TILE_N if window.local else 0
+        per = -(-(n_tiles - first_t) // num_splits) if n_tiles > first_t else 0
         for h in range(H):
             K = _gather(cache, layer, "k", block_table, b, h, L)
             V = _gather(cache, layer, "v", block_table, b, h, L).to(vdt)
@@ -86,7 +97,7 @@ def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, 
             vg = lay.v_global_scale.cpu()[h].float() if cache.v_format.has_global_scale else torch.tensor(1.0)
             parts = []
             for s in range(num_splits):
-                t0, t1 = s * per, min(s * per + per, n_tiles)
+                t0, t1 = first_t + s * per, min(first_t + s * per + per, n_tiles)
                 m = torch.full((ROWS,), float("-inf"))
                 lsum = torch.zeros(ROWS)
                 O = torch.zeros(ROWS, D)
@@ -94,7 +105,8 @@ def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, 
                     j = torch.arange(t * TILE_N, min((t + 1) * TILE_N, L))
                     Sraw = sum(Qv[k, b, h].double() @ K[j].double().T for k in range(q_terms)).float()
                     sc = Sraw * row_scale[:, None]
-                    sc = torch.where(j[None, :] <= lim[:, None], sc, torch.tensor(float("-inf")))
+                    visible = (j[None, :] <= lim[:, None]) & (j[None, :] >= low[:, None])
+                    sc = torch.where(visible, sc, torch.tensor(float("-inf")))
                     m_new = torch.maximum(m, sc.amax(1))
                     m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                     corr = torch.exp2(m - m_use)

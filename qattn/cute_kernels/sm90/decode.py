@@ -1059,7 +1059,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
         from qattn.cute_kernels.sm100.decode import sm100_decode_variants
 
         return sm100_decode_variants(arch, kv_formats, head_dims, gqa, page_sizes, seqlen_q, recent_windows,
-                                     q_dtypes)
+                                     q_dtypes, sliding_window)
     if arch != "sm_90a":
         return []
     out, seen = [], set()
