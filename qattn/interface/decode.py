@@ -129,7 +129,7 @@ def _flash_attn_with_kvcache_eager(
     sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
     (query i sees keys j <= i + len - seqlen_q). ``window_size=(left, right)``: FlashAttention's sliding window,
     query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
-    0); the pages left of the window are not read (caches without a recent-token ring or sink tokens; on SM100
+    0); the pages (and ring rows) left of the window are not read (on SM100, whose cache has no ring or sink:
     compile-checked and emulated only).
     ``num_splits`` = 0 picks the split-KV count from host-known sizes.
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
@@ -193,10 +193,6 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table
     window = resolve_window(window_size, causal, Sq, max_len)
-    if window.local and (cache.recent_window or cache.sink_tokens):
-        raise ValueError(f"window_size: a sliding window over a cache with a recent-token ring or sink tokens "
-                         f"(recent_window={cache.recent_window}, sink_tokens={cache.sink_tokens}) is not "
-                         f"implemented; got {tuple(window_size)}")
     if q.numel() >= 2**31 // max(1, num_splits or 1):
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     if out is not None:

@@ -307,11 +307,12 @@ def test_launcher_config_choice(monkeypatch):
         tuning_from_env.cache_clear()
 
 
-def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0):
+def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0, p0=None):
     """The kernel's tile schedule, written out in Python with the same formulas as ``DecodeSm90.kernel``,
     ``_load_tile``, ``_load_sink_tile`` and ``_load_ring_tile``: {position: (split, source)} for every unmasked
     token, source being ("page", block-table column, offset in page), ("sink", sink row) or ("ring", ring row);
-    and the list of (split, kind) of every tile, in order."""
+    and the list of (split, kind, last position) of every tile, in order. ``p0``: a sliding window's first
+    visible position of the first query (``cfg.window``; None: no window)."""
     assert N <= TR  # one sink tile holds the whole sink
     page_len = max(kv_len - W, 0) if W else kv_len
     sink_len, n_sink = 0, 0
@@ -323,6 +324,16 @@ def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0):
     n_page = (-(-page_len // TN) - first_pt) if page_len > N else 0
     n_ring = -(-(kv_len - page_len) // TR) if W and kv_len > page_len else 0
     n_tiles = n_page + n_sink + n_ring
+    ring0 = 0
+    if p0 is not None:  # the window: what lies left of p0 leaves each part of the list
+        skip = min(max(max(p0, 0) // TN - first_pt, 0), n_page) if p0 < page_len else n_page
+        first_pt, n_page = first_pt + skip, n_page - skip
+        if N and not sink_len > p0:
+            n_sink = 0
+        if W:
+            ring0 = min(max(p0 - page_len, 0) // TR, n_ring)
+            n_ring -= ring0
+        n_tiles = n_page + n_sink + n_ring
     per = -(-n_tiles // num_splits)
     P = min(TN, page)
     seen, kinds = {}, []
@@ -331,7 +342,7 @@ def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0):
         t_end = min(t_begin + per, n_tiles)
         for tile in range(t_begin, t_end):
             if tile < n_page:
-                kinds.append((split, "page"))
+                kinds.append((split, "page", min((first_pt + tile + 1) * TN, page_len) - 1))
                 pt = first_pt + tile
                 for t in range(TN):
                     p = pt * TN + t
@@ -340,16 +351,17 @@ def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0):
                         assert token0 < page_len  # its piece was loaded from the real block, not block 0
                         src = ("page", token0 // page, token0 % page + t % P)
                         assert seen.setdefault(p, (split, src)) == (split, src), "position twice"
-            elif N and tile == n_page:
-                kinds.append((split, "sink"))
+            elif N and (tile - n_page < n_sink if p0 is not None else tile == n_page):
+                kinds.append((split, "sink", sink_len - 1))
                 for t in range(TR):
                     if t < sink_len:  # lims_sink / V's kv_len = sink_len
                         assert t not in seen, "position twice"
                         seen[t] = (split, ("sink", min(t, N - 1)))
             else:
-                kinds.append((split, "ring"))
+                r0 = page_len + (tile - n_page - n_sink + ring0) * TR
+                kinds.append((split, "ring", min(r0 + TR, kv_len) - 1))
                 for t in range(TR):
-                    p = page_len + (tile - n_page - n_sink) * TR + t
+                    p = r0 + t
                     if p < kv_len:
                         assert p not in seen, "position twice"
                         seen[p] = (split, ("ring", p % W))
@@ -376,7 +388,7 @@ def _check_schedule(W, TN, TR, page, N):
                     assert p in pages and src == ("page", p // page, p % page)
             # every bf16 (sink / ring) tile follows every page tile: one Q-type switch and one V-global-scale
             # fold per CTA, at its first bf16 tile; the sink tile comes right before the ring tiles
-            order = [k for _, k in kinds]
+            order = [k for _, k, _ in kinds]
             first_bf16 = next((i for i, k in enumerate(order) if k != "page"), len(order))
             assert all(k == "page" for k in order[:first_bf16]) and "page" not in order[first_bf16:]
             if "sink" in order:
@@ -396,6 +408,36 @@ def test_tile_schedule_covers_each_position_once_from_the_reference_source(W, TN
 @pytest.mark.parametrize("page", [16, 64, 256])
 def test_sink_tile_schedule_reads_each_position_once_from_the_reference_source(N, W, TN, TR, page):
     _check_schedule(W, TN, TR, page, N)
+
+
+@pytest.mark.parametrize("N", [0, 4, 64])
+@pytest.mark.parametrize("W", [0, 16, 100])
+@pytest.mark.parametrize("TN,TR", [(64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("page", [16, 128])
+def test_window_schedule_keeps_every_visible_position_and_no_tile_left_of_the_window(N, W, TN, TR, page):
+    """A sliding window over any cache (pages, ring, sink): the tile list keeps every position the first query
+    sees, each once and from the reference's source, and no tile that lies entirely left of its window; the
+    sink tile stays right before the ring tiles. (Masking inside the kept tiles is the rows' ``lows``.)"""
+    from qattn.layouts import read_sources
+
+    for kv_len in LENGTHS + (3 * page + 5, N + W + 1):
+        for left, sq in ((0, 1), (1, 3), (5, 1), (16, 2), (63, 1), (64, 1), (100, 4), (129, 1), (1000, 1)):
+            p0 = kv_len - sq - left
+            for num_splits in (1, 2, 7):
+                seen, kinds = _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N, p0)
+                assert set(range(max(p0, 0), kv_len)) <= set(seen), (kv_len, left, sq)
+                assert all(last >= p0 for _, _, last in kinds), (kv_len, left, sq, kinds)
+                sink, pages, ring = read_sources(kv_len, W, N)
+                for p, (_, src) in seen.items():
+                    if p in sink:
+                        assert src == ("sink", p)
+                    elif p in ring:
+                        assert src == ("ring", p % W)
+                    else:
+                        assert p in pages and src == ("page", p // page, p % page)
+                order = [k for _, k, _ in kinds]
+                if "sink" in order:
+                    assert order.count("sink") == 1 and all(k == "ring" for k in order[order.index("sink") + 1:])
 
 
 # sliding window (flash_attn_with_kvcache's window_size): narrow and wide layouts, split, row-scaled formats
@@ -419,8 +461,19 @@ def test_window_variant_compiles(kf, vf, D, qd, group, sq, page, causal, split):
         assert ptx_count(ptx, pat) == ptx_count(ptx_plain, pat)
 
 
-def test_window_config_rejects_ring_and_sink():
-    for kw in (dict(ring_window=64), dict(sink_tokens=4)):
-        with pytest.raises(ValueError, match="window"):
-            DecodeConfig(kv_format("nvfp4"), kv_format("nvfp4"), 128, "bf16", 4, 1, 16, True, False, window=True,
-                         **kw)
+@pytest.mark.parametrize("W,N,group,sq", [(64, 0, 4, 1), (0, 4, 8, 4), (64, 4, 4, 1), (128, 8, 16, 4)])
+def test_window_over_ring_and_sink_compiles(W, N, group, sq):
+    """The window variants of ring / sink caches (narrow and wide): the same MMAs and loads as without the
+    window (the tile list only drops tiles; each tile kind masks the rows' lower edges)."""
+    from qattn.cute_kernels.sm90.decode_config import choose_config
+
+    f = kv_format("nvfp4")
+    cfg = choose_config(f, f, 128, 64, "bf16", group, sq, True, False, ring_window=W, ring_dtype="bf16",
+                        sink_tokens=N, window=True)
+    plain = choose_config(f, f, 128, 64, "bf16", group, sq, True, False, ring_window=W, ring_dtype="bf16",
+                          sink_tokens=N)
+    assert cfg.key == plain.key + ("window",)
+    _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+    _, ptx_plain = compile_for_arch(DecodeSm90(plain), *decode_compile_args(), arch="sm_90a")
+    for pat in (r"mma\.sync\.aligned\.m16n8k16", r"cp\.async\.cg\.shared\.global"):
+        assert ptx_count(ptx, pat) == ptx_count(ptx_plain, pat)

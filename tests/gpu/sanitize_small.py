@@ -1,6 +1,6 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
-seqlen_q > 1, a recent window, sink tokens, sliding windows), the INT8 Q/K prepass and the INT8-QK prefill (dense
+seqlen_q > 1, a recent window, sink tokens, sliding windows, also over the ring / sink), the INT8 Q/K prepass and the INT8-QK prefill (dense
 ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows). Run as a script; exits non-zero on a wrong result."""
 
 import torch
@@ -67,7 +67,11 @@ def _ring_sink_transforms(g, W: int, N: int) -> None:
     for splits in (1, 2):
         out = qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs, num_splits=splits)
         assert torch.isfinite(out).all()
-    print(f"ring {W} + sink {N} + rope + smoothing + rotation: insert and decode ran")
+        for ws in ((10, 0), (40, 0), (0, 0)):  # sliding windows: the list's parts cut at the first visible key
+            out = qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seqs, num_splits=splits,
+                                                window_size=ws)
+            assert torch.isfinite(out).all()
+    print(f"ring {W} + sink {N} + rope + smoothing + rotation: insert and decode (+ windows) ran")
 
 
 def _prefill(g) -> None:

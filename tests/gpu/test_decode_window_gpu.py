@@ -1,7 +1,8 @@
 """GPU tests of sliding-window paged decode: ``flash_attn_with_kvcache(..., window_size=(left, right))``, query i
 of a sequence of ``len`` cached keys sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right.
 
-Oracle: ``paged_decode_reference`` (fp64) with the same window over the same quantized cache. Besides the usual
+Oracle: ``paged_decode_reference`` (fp64) with the same window over the same quantized cache (and its ring / sink
+rows, for caches that keep them). Besides the usual
 poisoning (pools NaN / 0x7F before the write, NaN output), the page rows of every position left of the tile
 that holds a sequence's first visible key are poisoned after the write: the kernel must not read them at all.
 """
@@ -66,14 +67,34 @@ def test_window_covering_the_cache_is_the_plain_kernel():
     assert not torch.equal(flash_attn_with_kvcache(q, cache, seqlens, table, window_size=(500, 0)), a)
 
 
-def test_window_rejected_for_ring_and_sink_caches():
-    from qattn.interface.decode import flash_attn_with_kvcache
+# (format, head_dim, (gqa, seqlen_q, page, num_splits), recent window W, sink tokens N): narrow and wide layouts,
+# ring only, sink only, both; split-KV fixed and automatic
+RING_SINK = [("nvfp4", 128, (4, 1, 16, 1), 64, 0), ("fp8", 64, (8, 4, 64, 3), 0, 4),
+             ("nvfp4", 128, (16, 16, 128, 0), 128, 8), ("int8", 128, (1, 1, 32, 5), 64, 4)]
+WINDOWS_RS = [(0, 0, True), (40, 0, True), (100, 0, True), (30, -1, False), (5, 3, False), (700, 0, True)]
 
-    cache, q, seqlens, table, slots = make_case("nvfp4", 64, 4, 1, 16, [100, 50], window=64)
-    with pytest.raises(ValueError, match="window_size: a sliding window over a cache with a recent-token ring"):
-        flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=slots, window_size=(32, 0))
-    # a window longer than any sequence is no window: allowed
-    flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=slots, window_size=(10_000, 0))
+
+@pytest.mark.parametrize("case", [(c, w) for c in RING_SINK for w in WINDOWS_RS],
+                         ids=lambda c: f"{c[0][0]}-D{c[0][1]}-gqa{c[0][2][0]}-sq{c[0][2][1]}-W{c[0][3]}-N{c[0][4]}"
+                                       f"-w{c[1][0]}_{c[1][1]}{'c' if c[1][2] else ''}")
+def test_window_decode_over_ring_and_sink_caches(case):
+    """A window over a cache whose newest tokens come from a bf16 ring and / or whose first ones from a sink
+    buffer: each part of the tile list drops what lies left of the first query's window, every tile kind masks
+    the rows' lower edges. Against the reference over the same sources, with the page rows left of the windows
+    poisoned (never read)."""
+    from qattn.interface.decode import _tile_n, flash_attn_with_kvcache
+    from qattn.reference import paged_decode_reference
+
+    (fmt, D, (gqa, sq, page, splits), W, N), (left, right, causal) = case
+    cache, q, seqlens, table, slots = make_case(fmt, D, gqa, sq, page, LENS, window=W, sink=N,
+                                                seed=D + gqa + left + W + N)
+    ref, ref_lse = paged_decode_reference(q, cache, seqlens, table, causal=causal, seq_slots=slots, return_lse=True,
+                                          window_size=(left, right))
+    _poison_left_of_windows(cache, table.cpu(), LENS, sq, left, _tile_n(cache))
+    out = torch.full_like(q, float("nan"))
+    got, lse = flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=slots, causal=causal, num_splits=splits,
+                                       return_lse=True, out=out, window_size=(left, right))
+    _check(got, lse, ref, ref_lse)
 
 
 def test_window_decode_in_cuda_graph_and_torch_compile():

@@ -123,8 +123,7 @@ def test_warmed_keys_equal_runtime_keys(monkeypatch, fmt, window, dtype):
             for group, sq in ((1, 1), (8, 4), (16, 16)):
                 for split in (False, True):
                     idec._kernels("sm_90a", cache, dtype, group, sq, True, split)
-                    if not window:  # window_size (sliding-window decode): caches without a ring only
-                        idec._kernels("sm_90a", cache, dtype, group, sq, True, split, True)
+                    idec._kernels("sm_90a", cache, dtype, group, sq, True, split, True)  # window_size
     warm = set()
     for kind in ("decode", "combine"):
         warm |= {(kind, v.key) for v in variants.enumerate_variants(

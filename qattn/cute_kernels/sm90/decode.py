@@ -65,10 +65,12 @@ Data path (no flatten-to-bf16 pass anywhere):
   once per CTA at its first bf16 tile, exactly as with the ring alone (the sink tile, in the split before the
   ring tiles, is one more such tile).
 
-* Sliding window (``cfg.window``, caches without ring or sink; runtime ``window_left`` / ``window_right``): row
-  i_q sees positions [len - Sq + i_q - window_left, len - Sq + i_q + window_right] (the right edge with
-  ``causal``); the tile list starts at the page tile holding the first query's first visible key, and each
-  row's lower edge is one more compare in the score mask.
+* Sliding window (``cfg.window``; runtime ``window_left`` / ``window_right``): row i_q sees positions
+  [len - Sq + i_q - window_left, len - Sq + i_q + window_right] (the right edge with ``causal``); the tile list
+  starts at the page tile holding the first query's first visible key, and each row's lower edge is one more
+  compare in the score mask. With a ring or sink, each part of the list loses what lies left of the first
+  query's window: page tiles from the front, the sink tile when all of it does, ring tiles from the front (the
+  kept ring tiles keep their positions); every tile kind masks the rows' lower edges.
 
 Known limits (documented, checked by the launcher where they matter):
 * rows = seqlen_q * group <= 256; head_dim 64 / 128.
@@ -433,9 +435,29 @@ class DecodeSm90:
             slot = _sel(slot < max_seqs, slot, max_seqs - 1, Int32)
             slot = _sel(slot > 0, slot, 0, Int32)
         first_t = Int32(0)  # window: the first page tile, the one holding the first query's first visible key
+        ring0 = 0  # window over a ring: the ring tiles left of the first query's window, skipped
         if cutlass.const_expr(cfg.window):
-            first_t = _sel(kv_len - seqlen_q > window_left, (kv_len - seqlen_q - window_left) // TN, 0, Int32)
-            n_tiles = _sel(n_tiles > first_t, n_tiles - first_t, 0, Int32)
+            p0 = kv_len - seqlen_q - window_left  # the first query's first visible position (may be < 0)
+            if cutlass.const_expr(self.unquantized):
+                # drop what lies left of p0 from each part of the list: page tiles from the front (the list's
+                # page tile i becomes first_pt + i), the sink tile if all of it, ring tiles from the front
+                pt = _sel(p0 > 0, p0, 0, Int32) // TN
+                skip = _sel(pt > first_pt, pt - first_pt, 0, Int32)
+                skip = _sel(skip < n_page, skip, n_page, Int32)
+                skip = _sel(p0 < page_len, skip, n_page, Int32)  # the window starts past the pages
+                first_pt = first_pt + skip
+                n_page = n_page - skip
+                if cutlass.const_expr(self.sink):
+                    n_sink = _sel(sink_len > p0, n_sink, 0, Int32)
+                if cutlass.const_expr(self.ring):
+                    rp = p0 - page_len
+                    ring0 = _sel(rp > 0, rp, 0, Int32) // TR
+                    ring0 = _sel(ring0 < n_ring, ring0, n_ring, Int32)
+                    n_ring = n_ring - ring0
+                n_tiles = n_page + n_sink + n_ring
+            else:
+                first_t = _sel(p0 > 0, p0 // TN, 0, Int32)
+                n_tiles = _sel(n_tiles > first_t, n_tiles - first_t, 0, Int32)
         per = (n_tiles + num_splits - 1) // num_splits
         t_begin = split * per
         t_end = _sel(t_begin + per < n_tiles, t_begin + per, n_tiles, Int32)
@@ -508,15 +530,15 @@ class DecodeSm90:
                         self._load_tile(bufs, first_pt + t_begin + it, it % S, page_len, b, h, tidx, mBT,
                                         max_blocks, num_blocks, num_kv_heads, kd_addr, ks_addr, vd_addr, vs_addr)
                     elif cutlass.const_expr(self.sink and self.ring):
-                        if t_begin + it == n_page:
+                        if self._is_sink_tile(t_begin + it, n_page, n_sink):
                             self._load_sink_tile(bufs, it % S, slot, h, tidx, num_kv_heads, sk_addr, sv_addr)
                         else:
-                            self._load_ring_tile(bufs, t_begin + it - n_page - n_sink, it % S, page_len, slot, h,
-                                                 tidx, num_kv_heads, rk_addr, rv_addr)
+                            self._load_ring_tile(bufs, t_begin + it - n_page - n_sink + ring0, it % S, page_len,
+                                                 slot, h, tidx, num_kv_heads, rk_addr, rv_addr)
                     elif cutlass.const_expr(self.sink):
                         self._load_sink_tile(bufs, it % S, slot, h, tidx, num_kv_heads, sk_addr, sv_addr)
                     else:
-                        self._load_ring_tile(bufs, t_begin + it - n_page, it % S, page_len, slot, h, tidx,
+                        self._load_ring_tile(bufs, t_begin + it - n_page + ring0, it % S, page_len, slot, h, tidx,
                                              num_kv_heads, rk_addr, rv_addr)
                 else:
                     self._load_tile(bufs, first_t + t_begin + it, it % S, kv_len, b, h, tidx, mBT, max_blocks,
@@ -530,7 +552,7 @@ class DecodeSm90:
                     if tile < n_page:
                         self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S,
                                            (first_pt + tile) * TN, page_len, lims_page, g, q4, tg, rQ, rO, rM, rL,
-                                           sl2, None, N if self.sink else None)
+                                           sl2, None, N if self.sink else None, lows)
                     else:
                         if cutlass.const_expr(self.r.bf16 != self.k.bf16 or self.k.even_odd):
                             if tile == first_ring:  # Q in the ring tiles' MMA type and dim order from here on
@@ -540,22 +562,22 @@ class DecodeSm90:
                         if cutlass.const_expr(self.v.has_global):
                             o_scale = _sel(tile == first_ring, vg, Float32(1.0), Float32)
                         if cutlass.const_expr(self.sink and self.ring):
-                            if tile == n_page:
+                            if self._is_sink_tile(tile, n_page, n_sink):
                                 self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S, Int32(0),
                                                    sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
-                                                   o_scale, None)
+                                                   o_scale, None, lows)
                             else:
                                 self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S,
-                                                   page_len + (tile - n_page - n_sink) * TR, kv_len, lims, g, q4,
-                                                   tg, rQ, rO, rM, rL, scale_log2, o_scale, None)
+                                                   page_len + (tile - n_page - n_sink + ring0) * TR, kv_len, lims,
+                                                   g, q4, tg, rQ, rO, rM, rL, scale_log2, o_scale, None, lows)
                         elif cutlass.const_expr(self.sink):
                             self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S, Int32(0),
                                                sink_len, lims_sink, g, q4, tg, rQ, rO, rM, rL, scale_log2,
-                                               o_scale, None)
+                                               o_scale, None, lows)
                         else:
                             self._compute_tile(self.r, self.r, "rk", "rv", TR, views, (it - LAG) % S,
-                                               page_len + (tile - n_page) * TR, kv_len, lims, g, q4, tg, rQ, rO,
-                                               rM, rL, scale_log2, o_scale, None)
+                                               page_len + (tile - n_page + ring0) * TR, kv_len, lims, g, q4, tg, rQ,
+                                               rO, rM, rL, scale_log2, o_scale, None, lows)
                 else:
                     self._compute_tile(self.k, self.v, "k", "v", TN, views, (it - LAG) % S, (first_t + tile) * TN,
                                        kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, None, None, lows)
@@ -844,6 +866,13 @@ class DecodeSm90:
                 vw.append([_sel(ok, x, Uint32(0), Uint32) for x in ws])
         return vw
 
+    def _is_sink_tile(self, tile, n_page, n_sink):
+        """Whether list entry ``tile`` (>= n_page) of a sink + ring list is the sink tile: the entry right after the
+        page tiles, unless a sliding window dropped it (``n_sink`` 0)."""
+        if self.cfg.window:
+            return tile - n_page < n_sink
+        return tile == n_page
+
     def _compute_tile(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0, kv_len,
                       lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo, lows=None):
         """One warp's share of one tile of ``TN`` tokens at positions ``pos0 + t``: S = Q K^T, online softmax,
@@ -1052,7 +1081,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
     """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
     format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
     dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype);
-    ``sliding_window``: also the ``window_size`` variants (caches without ring or sink)."""
+    ``sliding_window``: also the ``window_size`` variants."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
@@ -1076,7 +1105,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                         for w, n in [(w, n) for w in recent_windows or [0] for n in sink_tokens or [0]]:
                             for qd in q_dtypes or ["bf16"]:
                                 for split, win in itertools.product(
-                                        (False, True), (False, True) if sliding_window and not (w or n) else (False,)):
+                                        (False, True), (False, True) if sliding_window else (False,)):
                                     cfg = choose_config(pair[0], pair[1], d, page, qd, g, sq, True, split,
                                                         ring_window=w, ring_dtype=qd, sink_tokens=n, window=win)
                                     key = decode_cache_key(arch, cfg)

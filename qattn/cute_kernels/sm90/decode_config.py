@@ -156,7 +156,7 @@ class DecodeConfig:
     narrow: bool = False
     # sliding window (flash_attn_with_kvcache's ``window_size``): query i sees keys j >= i + len - seqlen_q -
     # window_left (runtime), and with ``causal`` j <= i + len - seqlen_q + window_right (runtime); the tiles left
-    # of the first query's window are never loaded. Caches without a ring or sink only.
+    # of the first query's window are never loaded (with a ring or sink: of each part of the tile list).
     window: bool = False
 
     def __post_init__(self) -> None:
@@ -181,9 +181,6 @@ class DecodeConfig:
         if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= self.sink_tile_n:
             raise ValueError(f"sink_tokens: expected an int in [0, {self.sink_tile_n}] (one sink tile), "
                              f"got {self.sink_tokens!r}")
-        if self.window and (self.ring_window or self.sink_tokens):
-            raise ValueError("window: a sliding window over a cache with a recent-token ring or sink tokens is not "
-                             "implemented")
         if self.ring_dtype not in ("bf16", "f16"):
             raise ValueError(f"ring_dtype: expected 'bf16' or 'f16', got {self.ring_dtype!r}")
         for f in (self.k_fmt, self.v_fmt):
