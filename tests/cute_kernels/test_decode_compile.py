@@ -371,21 +371,26 @@ def _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N=0, p0=None):
 LENGTHS = (0, 1, 2, 3, 4, 5, 15, 16, 63, 64, 65, 66, 68, 100, 127, 128, 129, 130, 200, 1000)
 
 
-def _check_schedule(W, TN, TR, page, N):
+def _check_sources(seen, kv_len, W, N, page):
+    """Every position of the schedule comes from the source the references read it from."""
     from qattn.layouts import read_sources
 
+    sink, pages, ring = read_sources(kv_len, W, N)  # the references' rule
+    for p, (_, src) in seen.items():
+        if p in sink:
+            assert src == ("sink", p)
+        elif p in ring:
+            assert src == ("ring", p % W)
+        else:
+            assert p in pages and src == ("page", p // page, p % page)
+
+
+def _check_schedule(W, TN, TR, page, N):
     for kv_len in LENGTHS + (3 * page + 5, N + W - 1, N + W, N + W + 1):
         for num_splits in (1, 2, 3, 7, 40):
             seen, kinds = _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N)
             assert sorted(seen) == list(range(kv_len))
-            sink, pages, ring = read_sources(kv_len, W, N)  # the references' rule
-            for p, (_, src) in seen.items():
-                if p in sink:
-                    assert src == ("sink", p)
-                elif p in ring:
-                    assert src == ("ring", p % W)
-                else:
-                    assert p in pages and src == ("page", p // page, p % page)
+            _check_sources(seen, kv_len, W, N, page)
             # every bf16 (sink / ring) tile follows every page tile: one Q-type switch and one V-global-scale
             # fold per CTA, at its first bf16 tile; the sink tile comes right before the ring tiles
             order = [k for _, k, _ in kinds]
@@ -418,8 +423,6 @@ def test_window_schedule_keeps_every_visible_position_and_no_tile_left_of_the_wi
     """A sliding window over any cache (pages, ring, sink): the tile list keeps every position the first query
     sees, each once and from the reference's source, and no tile that lies entirely left of its window; the
     sink tile stays right before the ring tiles. (Masking inside the kept tiles is the rows' ``lows``.)"""
-    from qattn.layouts import read_sources
-
     for kv_len in LENGTHS + (3 * page + 5, N + W + 1):
         for left, sq in ((0, 1), (1, 3), (5, 1), (16, 2), (63, 1), (64, 1), (100, 4), (129, 1), (1000, 1)):
             p0 = kv_len - sq - left
@@ -427,14 +430,7 @@ def test_window_schedule_keeps_every_visible_position_and_no_tile_left_of_the_wi
                 seen, kinds = _emulate_schedule(kv_len, W, TN, TR, page, num_splits, N, p0)
                 assert set(range(max(p0, 0), kv_len)) <= set(seen), (kv_len, left, sq)
                 assert all(last >= p0 for _, _, last in kinds), (kv_len, left, sq, kinds)
-                sink, pages, ring = read_sources(kv_len, W, N)
-                for p, (_, src) in seen.items():
-                    if p in sink:
-                        assert src == ("sink", p)
-                    elif p in ring:
-                        assert src == ("ring", p % W)
-                    else:
-                        assert p in pages and src == ("page", p // page, p % page)
+                _check_sources(seen, kv_len, W, N, page)
                 order = [k for _, k, _ in kinds]
                 if "sink" in order:
                     assert order.count("sink") == 1 and all(k == "ring" for k in order[order.index("sink") + 1:])
