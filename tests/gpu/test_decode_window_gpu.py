@@ -124,3 +124,12 @@ if __name__ == "__main__":  # quick timing: windowed vs full decode, CUDA graph,
         times = {name: graph_median_us(lambda ws=ws: flash_attn_with_kvcache(q, cache, seqlens, table, window_size=ws))
                  for name, ws in (("full", (-1, -1)), (f"window {w}", (w, 0)))}
         print(f"{fmt} B{B}x{ctx // 1024}K: " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items()), flush=True)
+    # caches with a bf16 ring of the newest 128 tokens and 4 sink tokens: windows over all three parts
+    for (B, ctx), w in itertools.product(((32, 8192), (8, 32768)), (64, 1024, 4096)):
+        cache, q, seqlens, table, slots = make_case("nvfp4", 128, 4, 1, 64, [ctx] * B, num_kv_heads=8, seed=0,
+                                                    window=128, sink=4)
+        times = {name: graph_median_us(lambda ws=ws: flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=slots,
+                                                                             window_size=ws))
+                 for name, ws in (("full", (-1, -1)), (f"window {w}", (w, 0)))}
+        print(f"nvfp4 ring 128 + sink 4 B{B}x{ctx // 1024}K: " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items()),
+              flush=True)
