@@ -216,8 +216,8 @@ def _flash_attn_with_kvcache_eager(
     if num_splits == 0:
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        context = max_len if window.left < 0 else min(max_len, window.left + Sq + _tile_n(cache))  # the keys a window reads
-        num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=_tile_n(cache))
+        num_splits = num_splits_heuristic(B, H, window.keys_read(max_len, Sq, _tile_n(cache)), _NUM_SMS[dev],
+                                          tile_n=_tile_n(cache))
     split = num_splits > 1
     kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, window.causal, split, window.local)
 

@@ -36,9 +36,8 @@ def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: boo
 
 
 def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_slots=None, layer=0,
-                                  softmax_scale=None, window=None, num_splits=0, return_lse=False, out=None):
-    """``window``: the call's :class:`qattn.interface.window.Window` (``decode.py`` resolved it; causal decode
-    without one)."""
+                                  softmax_scale=None, window, num_splits=0, return_lse=False, out=None):
+    """``window``: the call's :class:`qattn.interface.window.Window` (``decode.py`` resolved it)."""
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64
 
@@ -53,16 +52,10 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
     group = Hq // H
     qd = "bf16" if q.dtype == torch.bfloat16 else "f16"
     dev = q.device
-    if window is None:
-        from .window import resolve_window
-
-        window = resolve_window((-1, -1), True, Sq, block_table.shape[1] * cache.page_size)
     if num_splits == 0:
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        context = block_table.shape[1] * cache.page_size
-        if window.left >= 0:  # the keys a window reads
-            context = min(context, window.left + Sq + 128)
+        context = window.keys_read(block_table.shape[1] * cache.page_size, Sq, 128)
         num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=128)
     split = num_splits > 1
     cfg = sm100_config_for(cache, qd, group, Sq, window.causal, split, window.local)

@@ -66,6 +66,11 @@ class Window(NamedTuple):
     def edges(self) -> tuple[int, int]:
         return kernel_edges(self.left, self.right)
 
+    def keys_read(self, max_seqlen_k: int, seqlen_q: int, tile_n: int) -> int:
+        """How many keys per sequence a decode kernel reads at most (the split-KV heuristic's context): all of
+        them without a left edge, else the window plus the query rows, plus one tile for its alignment."""
+        return max_seqlen_k if self.left < 0 else min(max_seqlen_k, self.left + seqlen_q + tile_n)
+
 
 FULL = Window(-1, -1, False, False)
 
