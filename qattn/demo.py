@@ -88,7 +88,7 @@ def compile_report() -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qattn.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--compile", action="store_true", help="also compile the CuTe-DSL kernels for sm_90a/sm_100a")
+    p.add_argument("--compile", action="store_true", help="also compile the FP4 row kernels (CuTe-DSL) for sm_90a/sm_100a")
     p.add_argument("--seqlen", type=int, default=1000)
     args = p.parse_args(argv)
     t0 = time.time()

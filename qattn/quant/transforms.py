@@ -20,8 +20,9 @@ bit (:func:`transform_kv` is its reference), is::
     payload, scales = quantize(k2, fmt, global_scale)   # qattn.quant.reference
 
 and likewise for values (rotation only) and queries (rotation only, with the same ``signs``: done by
-``qattn.flash_attn_with_kvcache`` with :func:`rotate_query`); the decode output is mapped back with
-:func:`unrotate_output`.
+``qattn.flash_attn_with_kvcache`` with :func:`rotate_query_dense`, one fp32 product with the cache's dense R); the
+decode output is mapped back with :func:`unrotate_output_dense` (:func:`rotate_query` / :func:`unrotate_output` are
+the butterfly references of the two).
 
 **RoPE** (:class:`RoPE`). ``cos_sin_cache`` is (max_position, rotary_dim) fp32, cos in the first rotary_dim / 2
 columns and sin in the last (vLLM's layout); it is built once on the host (:meth:`RoPE.from_theta`), so the
