@@ -25,7 +25,9 @@ Launches on the stream (one read of V each for the first and the last):
 Programmatic dependent launches (``pdl``): the fold and the transpose kernel are launched as dependents of the
 kernel before them (the amax kernel triggers at its start; the transpose kernel loads its V tile before it waits
 for the partials); in ``flash_attn_func`` the amax kernel is one too, of the K prepass's last kernel (which does
-not write V), and waits for it before it exits, so the kernels after it still see the K prepass done.
+not write V), and waits for it after its V loads and before its stores, so the kernels after it still see the K
+prepass done. No kernel here writes global memory before its wait: a buffer freed on the host while a kernel
+before still reads it may be the one a dependent writes (the caching allocator reuses memory in stream order).
 
 Dense only (no varlen layout yet).
 """
@@ -92,7 +94,10 @@ class VAmaxPartial:
                  pdl: Int32, stream: cuda.CUstream):
         """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel before it, which must not write V
         (``flash_attn_func``: the K prepass's last kernel): this grid reads V while that one ends, and waits for
-        it (``griddepcontrol.wait``) before it exits, so that whatever waits for this grid waits for both."""
+        it (``griddepcontrol.wait``) before it writes anything, so that whatever waits for this grid waits for
+        both, and its stores cannot land in memory the kernels before still use (torch's caching allocator
+        recycles a freed buffer for the next allocation in stream order, which a programmatic dependent does not
+        keep)."""
         self.kernel(x_addr, partial_addr, seqlen, num_heads, num_chunks, chunk_rows, stride_b, stride_s,
                     stride_h).launch(grid=(num_chunks, num_heads, batch), block=(self.threads, 1, 1), stream=stream,
                                      use_pdl=pdl)
@@ -135,6 +140,10 @@ class VAmaxPartial:
         for i in cutlass.range_constexpr(8):
             sAcc[part * 8 + i, rip] = acc[i]
         cute.arch.sync_threads()
+        # ``pdl``: the kernels before (which wrote nothing this grid reads) are complete from here on, so the
+        # stores below cannot hit a buffer they still read that the allocator handed to ``partial``; the kernels
+        # after this one wait for this grid only (a no-op in a plain launch)
+        cute.arch.griddepcontrol_wait()
         if tidx < D:
             total = Float32(0.0)
             for r in cutlass.range_constexpr(RPP):
@@ -143,9 +152,6 @@ class VAmaxPartial:
             row_addr = partial_addr + (bh * Int64(num_chunks) + Int64(chunk)) * Int64(D * 4)
             mOut = cute.make_tensor(_gptr(Float32, row_addr, 4), cute.make_layout(D))
             mOut[tidx] = total
-        # ``pdl``: the kernel before this one (which wrote nothing this grid reads) is complete when this grid is;
-        # the kernels after it wait for this grid only (a no-op in a plain launch)
-        cute.arch.griddepcontrol_wait()
 
 
 class VFp8TransposeQuant:
