@@ -159,6 +159,23 @@ def _check_qkv_16bit(q, k, v) -> None:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def _check_pv(fp8: bool, v, v_scale, out, out_dtype, q_int8, quantize_q: bool) -> torch.dtype:
+    """V's dtype for the P x V dtype and the output dtype that follows (``prefill_int8`` / ``_varlen``)."""
+    if not fp8:
+        if v.dtype not in _DTYPES:
+            raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
+        if v_scale is not None:
+            raise ValueError("v_scale: only used with pv_dtype='fp8'")
+        return v.dtype
+    if v.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"v: pv_dtype='fp8' expects the V prepass's V^T (torch.float8_e4m3fn), got {v.dtype}")
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else (q_int8.dtype if quantize_q else torch.bfloat16)
+    if out_dtype not in _DTYPES:
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float16, got {out_dtype}")
+    return out_dtype
+
+
 _lpt_group = functools.lru_cache(maxsize=4096)(lpt_group)  # per argument tuple: no Python work per call
 _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
@@ -254,19 +271,7 @@ def prefill_int8(
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
     quantize_q = q_scale is None
     _check_q_dtypes(q_int8, k_int8, quantize_q, granularity)
-    if fp8:
-        if v.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"v: pv_dtype='fp8' expects the V prepass's V^T (torch.float8_e4m3fn), got {v.dtype}")
-        if out_dtype is None:
-            out_dtype = out.dtype if out is not None else (q_int8.dtype if quantize_q else torch.bfloat16)
-        if out_dtype not in _DTYPES:
-            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float16, got {out_dtype}")
-    else:
-        if v.dtype not in _DTYPES:
-            raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
-        if v_scale is not None:
-            raise ValueError("v_scale: only used with pv_dtype='fp8'")
-        out_dtype = v.dtype
+    out_dtype = _check_pv(fp8, v, v_scale, out, out_dtype, q_int8, quantize_q)
     if quantize_q and q_int8.dtype != out_dtype:
         raise TypeError(f"q_int8: with q_scale=None, Q must have the output's dtype {out_dtype}, got {q_int8.dtype}")
     _check_heads(D, Hq, Hkv, "k_int8")
@@ -338,7 +343,10 @@ def prefill_int8_varlen(
     granularity: str = "per_warp",
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    pv_dtype: str = "bf16",
+    v_scale: Optional[torch.Tensor] = None,
     qk_balance: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
     window_size: tuple = (-1, -1),
     _tuning: Optional[dict] = None,
     _pdl: bool = False,
@@ -352,7 +360,13 @@ def prefill_int8_varlen(
     non-decreasing, start at 0, end at the totals, and no sequence may exceed ``max_seqlen_q`` / ``max_seqlen_k``.
     ``q_scale=None``: ``q_int8`` is the unquantized Q in V's dtype, quantized inside the kernel (per_warp), as in
     :func:`prefill_int8`; ``qk_balance`` (num_seqs, num_kv_heads, head_dim) and ``window_size`` as there.
+    ``pv_dtype="fp8"``: ``v`` is the varlen V prepass's V^T (``qattn.quant.v_fp8.quantize_v_fp8_varlen``),
+    float8_e4m3fn (num_kv_heads, head_dim, ``varlen_vt_keys(total_k, num_seqs)``) with ``v_scale`` fp32
+    (num_seqs, num_kv_heads, head_dim); ``out_dtype`` as in :func:`prefill_int8`.
     """
+    if pv_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
+    fp8 = pv_dtype == "fp8"
     for t, name in ((q_int8, "q_int8"), (k_int8, "k_int8"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -363,13 +377,11 @@ def prefill_int8_varlen(
     Tk, Hkv = k_int8.shape[0], k_int8.shape[1]
     quantize_q = q_scale is None
     _check_q_dtypes(q_int8, k_int8, quantize_q, granularity)
-    if v.dtype not in _DTYPES:
-        raise TypeError(f"v: expected dtype torch.bfloat16 or torch.float16, got {v.dtype}")
-    if quantize_q and q_int8.dtype != v.dtype:
-        raise TypeError(f"q_int8: with q_scale=None, Q must have V's dtype {v.dtype}, got {q_int8.dtype}")
+    out_dtype = _check_pv(fp8, v, v_scale, out, out_dtype, q_int8, quantize_q)
+    if quantize_q and q_int8.dtype != out_dtype:
+        raise TypeError(f"q_int8: with q_scale=None, Q must have the output's dtype {out_dtype}, got {q_int8.dtype}")
     _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (Tk, Hkv, D), dev)
-    _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -378,6 +390,15 @@ def prefill_int8_varlen(
     num_seqs = cu_seqlens_q.shape[0] - 1
     if cu_seqlens_k.shape[0] != num_seqs + 1:
         raise ValueError(f"cu_seqlens_k: expected {num_seqs + 1} entries like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    if fp8:
+        from ..quant.v_fp8 import varlen_vt_keys
+
+        _check(v, "v", torch.float8_e4m3fn, (Hkv, D, varlen_vt_keys(Tk, num_seqs)), dev)
+        _check(v_scale, "v_scale", torch.float32, (num_seqs, Hkv, D), dev)
+        if v.numel() >= 2**31:
+            raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
+    else:
+        _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
     for m, name, total in ((max_seqlen_q, "max_seqlen_q", Tq), (max_seqlen_k, "max_seqlen_k", Tk)):
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= max(total, 1):
             raise ValueError(f"{name}: expected an int in [1, {total}], got {m!r}")
@@ -391,18 +412,19 @@ def prefill_int8_varlen(
     softmax_scale = _softmax_scale(softmax_scale, D)
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
-    out = _out(out, v.dtype, (Tq, Hq, D), dev)
+    out = _out(out, out_dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
-    cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=window.causal, granularity=granularity,
-                  varlen=True, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=window.local,
-                  **(_tuning or {}))
+    cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
+                  varlen=True, pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
+                  local=window.local, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
-            cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale, None,
-            None if qk_balance is None else qk_balance.contiguous(), window, _pdl)
+            cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale,
+            v_scale.contiguous() if fp8 else None, None if qk_balance is None else qk_balance.contiguous(), window,
+            _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -492,10 +514,7 @@ def flash_attn_func(
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
-    if pv_dtype not in ("bf16", "fp8"):
-        raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
-    if qk_quant is None and pv_dtype != "bf16":
-        raise ValueError("pv_dtype: qk_quant=None (the unquantized A/B path) runs P x V in V's dtype only")
+    _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
@@ -519,6 +538,13 @@ def _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic) -> None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented; None only")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+
+
+def _check_pv_dtype(pv_dtype, qk_quant) -> None:
+    if pv_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
+    if qk_quant is None and pv_dtype != "bf16":
+        raise ValueError("pv_dtype: qk_quant=None (the unquantized A/B path) runs P x V in V's dtype only")
 
 
 def _check_balance(balance_qk, qk_quant) -> None:
@@ -591,18 +617,16 @@ def flash_attn_varlen_func(
     """FlashAttention's ``flash_attn_varlen_func`` with INT8 Q/K: q (total_q, num_heads, head_dim), k and v
     (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
     (``qattn.quant.quantize_qk_int8_varlen``: groups never cross sequences, K smoothed per sequence) + kernel
-    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``balance_qk`` and
-    FlashAttention's other keywords (``dropout_p``, ``window_size``, ...) as in :func:`flash_attn_func` (one
-    balance per sequence)."""
+    (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``pv_dtype="fp8"``: P x V
+    in FP8 E4M3 after the varlen V prepass (``qattn.quant.v_fp8.quantize_v_fp8_varlen``: each sequence's own
+    per-channel scales). ``balance_qk`` and FlashAttention's other keywords (``dropout_p``, ``window_size``, ...)
+    as in :func:`flash_attn_func` (one balance per sequence)."""
     _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
     window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
-    if pv_dtype == "fp8":
-        raise ValueError("pv_dtype: 'fp8' is not implemented for varlen prefill yet (dense flash_attn_func only)")
-    if pv_dtype != "bf16":
-        raise ValueError(f"pv_dtype: only 'bf16' (V's 16-bit dtype) is implemented for varlen, got {pv_dtype!r}")
+    _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if torch.compiler.is_compiling():
@@ -610,22 +634,27 @@ def flash_attn_varlen_func(
 
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                     qk_quant or "none", balance_qk, *window)
+                                     qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype)
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                                 qk_quant or "none", balance_qk, window)
+                                                 qk_quant or "none", balance_qk, window, pv_dtype)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                                  qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1)):
+                                  qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
+                                  pv_dtype: str = "bf16"):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
         _check_sm100_options(q.device, varlen=True)
+    if pv_dtype == "fp8":
+        from ..quant.v_fp8 import _check_v
+
+        _check_v(v.unsqueeze(0))  # before any launch: head_dim 64 / 128
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               window)
@@ -643,6 +672,15 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         q8, qs, k8, ks, *_ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                                      warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
+    if pv_dtype == "fp8":
+        from ..quant.v_fp8 import quantize_v_fp8_varlen
+
+        # right after the K (or Q / K) prepass, which does not write v
+        vt, vs = quantize_v_fp8_varlen(v, cu_seqlens_k, max_seqlen_k, _pdl=True)
+        return prefill_int8_varlen(q8, qs, k8, ks, vt, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal=causal, softmax_scale=softmax_scale, granularity=granularity,
+                                   return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
+                                   window_size=window, _pdl=True)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                return_lse=True, qk_balance=lam, window_size=window, _pdl=True)
@@ -676,7 +714,7 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool = False,
                       sliding_window: bool = False, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
-    V dtype x causal x q-scale granularity x (dense, varlen, dense with fp8 P.V), default tuning (the runtime
+    V dtype x causal x q-scale granularity x (dense, varlen) x (16-bit, fp8 P.V), default tuning (the runtime
     key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them. ``balance_qk``:
     also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``). ``sliding_window``: also
     each one's ``window_size`` twin (``PrefillConfig.local``: a left window edge; the right one is ``causal``)."""
@@ -692,7 +730,7 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
         for vd in [x for x in dts if x in _DTYPES.values()]:
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
-                    for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):  # fp8 P.V: dense only
+                    for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8"), (True, "fp8")):
                         cfg = PrefillConfig(head_dim=d, v_dtype=vd, causal=causal, granularity=gran, varlen=varlen,
                                             pv_dtype=pv, quantize_q=gran == "per_warp")  # _kernel_quantizes_q
                         label = (f"D{d} {vd} {'causal' if causal else 'full'} {gran}{' varlen' if varlen else ''}"

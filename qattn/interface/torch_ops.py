@@ -5,7 +5,7 @@ rebuild a :class:`PagedKVCache` view (no copy) and call the same launchers as ea
 implementations give output shapes only. The public functions (``qattn.write_kv``,
 ``qattn.flash_attn_with_kvcache``, ``qattn.flatten_kv``, ``qattn.flash_attn_func``,
 ``qattn.flash_attn_varlen_func``, and the prepass entry points ``qattn.quant.quantize_qk_int8`` /
-``quantize_qk_int8_varlen`` / ``quantize_v_fp8``) route through these ops only while torch.compile traces them,
+``quantize_qk_int8_varlen`` / ``quantize_v_fp8`` / ``_varlen``) route through these ops only while torch.compile traces them,
 so eager callers pay no dispatcher overhead.
 """
 
@@ -164,18 +164,18 @@ def prefill_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                       softmax_scale: float, granularity: str, smooth_k: bool,
                       qk_quant: str, balance_qk: bool = False, window_left: int = -1,
-                      window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int = -1, pv_dtype: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_varlen_func`` as one op: returns (out (total_q, Hq, D), lse (Hq, total_q))."""
     from .prefill import _flash_attn_varlen_func_eager
 
     return _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                          softmax_scale, granularity, smooth_k, qk_quant, balance_qk,
-                                         (window_left, window_right))
+                                         (window_left, window_right), pv_dtype)
 
 
 @prefill_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, granularity,
-      smooth_k, qk_quant, balance_qk=False, window_left=-1, window_right=-1):
+      smooth_k, qk_quant, balance_qk=False, window_left=-1, window_right=-1, pv_dtype="bf16"):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)
 
@@ -306,3 +306,25 @@ def _(v):
 
 def quantize_v_fp8_traced(v):
     return torch.ops.qattn.quantize_v_fp8(v)
+
+
+@torch.library.custom_op("qattn::quantize_v_fp8_varlen", mutates_args=())
+def quantize_v_fp8_varlen_op(v: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..quant.v_fp8 import quantize_v_fp8_varlen
+
+    return quantize_v_fp8_varlen(v, cu_seqlens_k, max_seqlen_k)
+
+
+@quantize_v_fp8_varlen_op.register_fake
+def _(v, cu_seqlens_k, max_seqlen_k):
+    from ..quant.v_fp8 import varlen_vt_keys
+
+    total, H, D = v.shape
+    n = cu_seqlens_k.shape[0] - 1
+    return (v.new_empty((H, D, varlen_vt_keys(total, n)), dtype=torch.float8_e4m3fn),
+            v.new_empty((n, H, D), dtype=torch.float32))
+
+
+def quantize_v_fp8_varlen_traced(v, cu_seqlens_k, max_seqlen_k: int):
+    return torch.ops.qattn.quantize_v_fp8_varlen(v, cu_seqlens_k, int(max_seqlen_k))

@@ -1,6 +1,7 @@
 """Quantization references (exact element casts, KV-format encoders/decoders, INT8 Q/K quantization) and the
 INT8 Q/K prepass kernels' entry points (:func:`quantize_qk_int8`, :func:`quantize_qk_int8_varlen`), and the FP8 V
-prepass (:func:`quantize_v_fp8`, reference :func:`quantize_v_fp8_reference`) of the FP8 P x V prefill."""
+prepass (:func:`quantize_v_fp8` / :func:`quantize_v_fp8_varlen`, references :func:`quantize_v_fp8_reference` /
+:func:`quantize_v_fp8_varlen_reference`) of the FP8 P x V prefill."""
 
 from .launch import quantize_qk_int8, quantize_qk_int8_varlen
 from .qk_int8 import dequantize_qk_int8_reference, quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
@@ -21,7 +22,8 @@ from .reference import (
     ue8m0_decode,
     unpack_e2m1,
 )
-from .v_fp8 import dequantize_v_fp8_reference, quantize_v_fp8, quantize_v_fp8_reference
+from .v_fp8 import (dequantize_v_fp8_reference, quantize_v_fp8, quantize_v_fp8_reference, quantize_v_fp8_varlen,
+                    quantize_v_fp8_varlen_reference)
 
 __all__ = [
     "E2M1_MAX",
@@ -46,5 +48,7 @@ __all__ = [
     "unpack_e2m1",
     "quantize_v_fp8",
     "quantize_v_fp8_reference",
+    "quantize_v_fp8_varlen",
+    "quantize_v_fp8_varlen_reference",
     "dequantize_v_fp8_reference",
 ]

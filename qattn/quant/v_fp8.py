@@ -1,6 +1,6 @@
 """FP8 (E4M3) V for the FP8 P x V prefill: the format, its exact torch reference, and the GPU prepass launcher.
 
-Format (dense; varlen is not implemented): for V (B, Sk, Hkv, D) bf16/fp16,
+Format (dense): for V (B, Sk, Hkv, D) bf16/fp16,
 
 * ``v_scale`` fp32 (B, Hkv, D): per (batch, kv head, channel), ``amax / 448`` with ``amax = max |v|`` over the
   sequence's ``Sk`` tokens, one correctly rounded fp32 division (``amax`` is exact: bf16/fp16 values widen
@@ -12,6 +12,15 @@ Format (dense; varlen is not implemented): for V (B, Sk, Hkv, D) bf16/fp16,
   ``16h + 4t + 2a + c`` holds token ``16h + 8a + 2t + c`` (h, a, c in {0, 1}, t in 0..3; :func:`key_permutation`).
   That is the order in which a lane of the attention kernel finds its P values in the wgmma accumulator, so P
   goes into the 8-bit A fragment without moving bytes between lanes (``QKInt8PrefillSm90._store_p``).
+
+Varlen (packed V (total_k, Hkv, D) with int32 ``cu_seqlens_k``, FlashAttention's layout; ``quantize_v_fp8_varlen``):
+``v_scale`` (num_seqs, Hkv, D), each sequence's own channel amax; ``vt`` (Hkv, D, ``varlen_vt_keys(total_k,
+num_seqs)``), sequence i's V^T (its dense ``vt`` of ``ceil(len_i / 128) * 128`` keys, zero padded, permuted the same
+way) at key offset ``o_i = 32 * ceil(cu_seqlens_k[i] / 32) + 160 * i`` (:func:`varlen_vt_offsets`; ``VT_ALIGN``,
+``VT_SEQ_GAP``). The offsets come from ``cu_seqlens_k`` alone, so the prepass and the attention kernel compute them
+on the device (no host sync); they are 32-byte aligned (whole DRAM sectors: 16-byte alignment made the prepass
+~13 % slower) and ``o_(i+1) - o_i >= len_i + 129`` keeps every padded region (and one whole tile for an empty
+sequence) clear of the next one. Keys between the regions are not written and never read.
 
 V = v_scale * e4m3_decode(vt) (un-permuted) approximates V with 3 mantissa bits per element, relative to its
 channel's amax: per-channel scaling keeps channels with large values (V outlier channels) from drowning the rest.
@@ -25,9 +34,16 @@ import torch
 
 from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
 
-__all__ = ["V_TILE", "key_permutation", "quantize_v_fp8_reference", "dequantize_v_fp8_reference", "quantize_v_fp8"]
+__all__ = ["V_TILE", "VT_ALIGN", "VT_SEQ_GAP", "key_permutation", "quantize_v_fp8_reference", "dequantize_v_fp8_reference",
+           "quantize_v_fp8", "varlen_vt_offsets", "varlen_vt_keys", "quantize_v_fp8_varlen_reference",
+           "quantize_v_fp8_varlen"]
 
 V_TILE = 128
+# varlen V^T: sequence b's region starts at its first key rounded up to VT_ALIGN keys (bytes), plus VT_SEQ_GAP * b
+# (VT_SEQ_GAP >= VT_ALIGN + 127 keeps every region clear of the next one: module docstring). 32 = one DRAM sector:
+# H100, 4 x 4096 keys, H16 D128, varlen V prepass 84.5-88.2 us aligned to 32 or 128 keys, 97.3-100.9 to 16.
+VT_ALIGN = 32
+VT_SEQ_GAP = VT_ALIGN + 128
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128)
 
@@ -41,6 +57,17 @@ def key_permutation(device=None) -> torch.Tensor:
 
 def _padded(sk: int) -> int:
     return -(-sk // V_TILE) * V_TILE
+
+
+def varlen_vt_offsets(cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """int64 (num_seqs,): the key offset of each sequence's region in a varlen ``vt`` (module docstring)."""
+    cu = cu_seqlens_k[:-1].to(torch.int64)
+    return (cu + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_SEQ_GAP * torch.arange(cu.shape[0], device=cu.device)
+
+
+def varlen_vt_keys(total_k: int, num_seqs: int) -> int:
+    """Keys per (kv head, channel) row of a varlen ``vt``: room for every sequence's region at its offset."""
+    return (total_k + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_SEQ_GAP * num_seqs
 
 
 def _check_v(v) -> None:
@@ -71,6 +98,27 @@ def quantize_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return vt.view(torch.float8_e4m3fn), scale.contiguous()
 
 
+def quantize_v_fp8_varlen_reference(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact reference of the varlen V prepass: ``(vt, v_scale)``, ``vt`` float8_e4m3fn (Hkv, D,
+    ``varlen_vt_keys(total_k, num_seqs)``) holding each sequence's dense reference V^T at its offset (zeros
+    between the regions), ``v_scale`` fp32 (num_seqs, Hkv, D)."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 3:
+        raise ValueError(f"v: expected a packed (total_k, num_kv_heads, head_dim) tensor, got "
+                         f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    _check_v(v.unsqueeze(0))
+    total, H, D = v.shape
+    cu = [int(x) for x in cu_seqlens_k.tolist()]
+    offsets = varlen_vt_offsets(cu_seqlens_k).tolist()
+    vt = torch.zeros(H, D, varlen_vt_keys(total, len(cu) - 1), dtype=torch.uint8, device=v.device)
+    scales = []
+    for i, o in enumerate(offsets):
+        t, s = quantize_v_fp8_reference(v[cu[i]:cu[i + 1]].unsqueeze(0))
+        vt[:, :, o:o + t.shape[-1]] = t[0].view(torch.uint8)
+        scales.append(s)
+    scale = torch.cat(scales) if scales else torch.zeros(0, H, D, device=v.device)
+    return vt.view(torch.float8_e4m3fn), scale
+
+
 def dequantize_v_fp8_reference(vt: torch.Tensor, v_scale: torch.Tensor, seqlen_k: int, *,
                                scaled: bool = True) -> torch.Tensor:
     """(B, seqlen_k, Hkv, D) fp32 values of ``vt`` in token order: ``v_scale * e4m3`` (``scaled``) or the bare
@@ -94,15 +142,15 @@ def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 @functools.lru_cache(maxsize=None)
-def _v_kernels(arch: str, head_dim: int, in_bf16: bool):
+def _v_kernels(arch: str, head_dim: int, in_bf16: bool, varlen: bool = False):
     """(rows_per_step of the amax kernel, amax launcher, transpose launcher), remembered per argument tuple like
     the Q/K prepass's kernel lookups (``qattn.quant.launch``)."""
     from ..cute_kernels.sm90 import v_fp8_quant as m
     from ..interface.fast_launch import fast
 
-    acfg = m.VAmaxPartial(head_dim, in_bf16)
+    acfg = m.VAmaxPartial(head_dim, in_bf16, varlen)
     return (acfg.rows_per_step, fast(m.compiled_amax(acfg, arch)),
-            fast(m.compiled_transpose(m.VFp8TransposeQuant(head_dim, in_bf16), arch)))
+            fast(m.compiled_transpose(m.VFp8TransposeQuant(head_dim, in_bf16, varlen), arch)))
 
 
 def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +194,66 @@ def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor
         rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16)
         num_chunks, chunk_rows = _k_chunks(Sk, B * H, rows_per_step, _num_sms(dev))
         partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
-        amax_k(v.data_ptr(), partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, int(_pdl), stream)
+        amax_k(v.data_ptr(), 0, partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, int(_pdl), stream)
         partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
         # pdl: after the kernel that wrote the partials (the fold, or the amax kernel for one chunk)
-        tq(v.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
-           sk_pad // V_TILE, sb, ss, sh, 1, stream)
+        tq(v.data_ptr(), 0, partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
+           sk_pad // V_TILE, sk_pad, sb, ss, sh, 1, stream)
+    return vt.view(torch.float8_e4m3fn), scale
+
+
+def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *,
+                          _pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen V prepass on the GPU (same kernels, sequences from ``cu_seqlens_k`` on the device, no host
+    sync): ``(vt, v_scale)`` in the varlen format of the module docstring, equal to
+    :func:`quantize_v_fp8_varlen_reference` byte for byte inside every sequence's region (the keys between the
+    regions are not written).
+
+    ``v`` (total_k, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous; ``cu_seqlens_k`` int32
+    (num_seqs + 1,) on v's device, non-decreasing from 0 to total_k, no sequence longer than ``max_seqlen_k``
+    (not checked on the host: that would sync). ``_pdl`` as in :func:`quantize_v_fp8`."""
+    from ..interface.fast_launch import on_device, stream_handle
+    from ..interface.variants import supported_arch
+    from .launch import _check_cu, _check_max_seqlen, _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
+
+    if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8_varlen
+        from ..interface.torch_ops import quantize_v_fp8_varlen_traced
+
+        return quantize_v_fp8_varlen_traced(v, cu_seqlens_k, max_seqlen_k)
+    if not isinstance(v, torch.Tensor) or v.dim() != 3:
+        raise ValueError(f"v: expected a packed (total_k, num_kv_heads, head_dim) tensor, got "
+                         f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    _check_v(v.unsqueeze(0))
+    if not v.is_cuda:
+        raise ValueError(f"v: expected a CUDA tensor, got device {v.device} (use quantize_v_fp8_varlen_reference "
+                         "on the CPU)")
+    _check_cu(cu_seqlens_k, "cu_seqlens_k", v.device)
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    total, H, D = v.shape
+    n = cu_seqlens_k.shape[0] - 1
+    if max(n, H) > 65535:
+        raise ValueError("v: at most 65535 sequences / kv heads (grid limit)")
+    dev = v.device
+    keys = varlen_vt_keys(total, n)
+    if H * D * keys >= 2**31 or max(total, Sk) >= 2**30:
+        raise ValueError("v: too large for the prepass's 32-bit indexing; split the batch")
+    vt = _alloc((H, D, keys), torch.uint8, dev)
+    scale = _alloc((n, H, D), torch.float32, dev)
+    if n == 0 or H == 0:
+        return vt.view(torch.float8_e4m3fn), scale
+    v = _kernel_view(v)
+    ss, sh = _strides(v)
+    in_bf16 = v.dtype == torch.bfloat16
+    cu = cu_seqlens_k.contiguous()
+    with on_device(dev):
+        arch = supported_arch(dev)
+        stream = stream_handle(dev)
+        rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16, True)
+        num_chunks, chunk_rows = _k_chunks(max(Sk, 1), n * H, rows_per_step, _num_sms(dev))
+        partial = _alloc((n, H, num_chunks, D), torch.float32, dev)
+        amax_k(v.data_ptr(), cu.data_ptr(), partial.data_ptr(), n, Sk, H, num_chunks, chunk_rows, 0, ss, sh,
+               int(_pdl), stream)
+        partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)
+        tq(v.data_ptr(), cu.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), n, Sk, H, num_chunks,
+           max(-(-Sk // V_TILE), 1), keys, 0, ss, sh, 1, stream)
     return vt.view(torch.float8_e4m3fn), scale

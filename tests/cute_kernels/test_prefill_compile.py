@@ -161,7 +161,8 @@ def test_quantize_q_config():
         PrefillConfig(**base, qk_dtype="bf16", quantize_q=True)
 
 
-@pytest.mark.parametrize("D,varlen,pv", [(128, False, "bf16"), (64, True, "bf16"), (128, False, "fp8")])
+@pytest.mark.parametrize("D,varlen,pv", [(128, False, "bf16"), (64, True, "bf16"), (128, False, "fp8"),
+                                         (128, True, "fp8")])
 def test_quantize_q_with_channel_balance_compiles(D, varlen, pv):
     cfg = PrefillConfig(head_dim=D, v_dtype="bf16", causal=True, granularity="per_warp", varlen=varlen, pv_dtype=pv,
                         quantize_q=True, balance_qk=True)
@@ -193,14 +194,19 @@ def test_int8_scores_take_an_integer_row_max(pv):
 
 
 # ---- FP8 P x V (pv_dtype="fp8") -------------------------------------------------------------------------------
-FP8_VARIANTS = [(64, "bf16", False, "per_warp"), (64, "bf16", True, "per_warp"), (128, "bf16", False, "per_warp"),
-                (128, "bf16", True, "per_warp"), (128, "fp16", True, "per_block")]
+FP8_VARIANTS = [(64, "bf16", False, "per_warp", False), (64, "bf16", True, "per_warp", False),
+                (128, "bf16", False, "per_warp", False), (128, "bf16", True, "per_warp", False),
+                (128, "fp16", True, "per_block", False),
+                # varlen as flash_attn_varlen_func launches it (per_warp: Q quantized in the kernel) and per_block
+                (128, "bf16", False, "per_warp", True), (64, "fp16", True, "per_warp", True),
+                (128, "bf16", True, "per_block", True)]
 
 
-@pytest.mark.parametrize("D,v_dtype,causal,granularity", FP8_VARIANTS)
-def test_fp8_pv_variant_compiles(D, v_dtype, causal, granularity):
+@pytest.mark.parametrize("D,v_dtype,causal,granularity,varlen", FP8_VARIANTS)
+def test_fp8_pv_variant_compiles(D, v_dtype, causal, granularity, varlen):
+    quantize_q = varlen and granularity == "per_warp"
     ptx = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity,
-                                 pv_dtype="fp8"))
+                                 pv_dtype="fp8", varlen=varlen, quantize_q=quantize_q))
     assert ptx_count(ptx, "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8") == 2 * (D // 32)
     # P x V: 128 keys / 32 per k-step, issued in the loop and after it; no 16-bit P x V left
     assert ptx_count(ptx, f"wgmma.mma_async.sync.aligned.m64n{D}k32.f32.e4m3.e4m3") == 2 * 4
@@ -208,7 +214,8 @@ def test_fp8_pv_variant_compiles(D, v_dtype, causal, granularity):
     # P -> E4M3: 2 cvt per A register, 16 registers per tile, two call sites; no byte shuffles between lanes
     # (the keys are permuted instead): the only shfl are the 4-lane max / sum reductions of the bf16 variant
     assert ptx_count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 2 * 16 * 2
-    bf16 = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity))
+    bf16 = _compile(PrefillConfig(head_dim=D, v_dtype=v_dtype, causal=causal, granularity=granularity,
+                                  varlen=varlen, quantize_q=quantize_q))
     assert ptx_count(ptx, "shfl.sync") == ptx_count(bf16, "shfl.sync")
     assert ptx_count(ptx, "cp.async.bulk.tensor") >= 3
     assert ptx_has(ptx, "setmaxnreg.dec") and ptx_has(ptx, "setmaxnreg.inc")
@@ -222,8 +229,7 @@ def test_pv_dtype_in_key_and_checked():
     assert PrefillConfig(**base).pv_dtype == "bf16"
     with pytest.raises(ValueError, match="pv_dtype"):
         PrefillConfig(**base, pv_dtype="fp4")
-    with pytest.raises(ValueError, match="varlen"):
-        PrefillConfig(**base, pv_dtype="fp8", varlen=True)
+    assert PrefillConfig(**base, pv_dtype="fp8", varlen=True).key != PrefillConfig(**base, pv_dtype="fp8").key
 
 
 @pytest.mark.parametrize("D,causal,varlen", [(64, True, False), (128, False, True)])

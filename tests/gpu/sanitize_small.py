@@ -112,7 +112,10 @@ def _prefill(g) -> None:
     for bal in (False, True):
         out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, balance_qk=bal)
         assert torch.isfinite(out).all()
-    print("prefill varlen ran")
+    for causal in (False, True):  # FP8 P.V: the varlen V prepass's regions, the kernel's V^T offsets
+        out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=causal, pv_dtype="fp8")
+        assert torch.isfinite(out).all()
+    print("prefill varlen (16-bit and fp8 P.V) ran")
     for ws, causal in (((100, 0), True), ((64, 64), False), ((150, -1), False)):  # CTAs start past key 0
         out = qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
         ref = prefill_reference(q, k, v, causal=causal, qk_quant="int8", window_size=ws)
@@ -120,6 +123,9 @@ def _prefill(g) -> None:
         assert err < 1e-2, ("prefill window", ws, err)
         assert torch.isfinite(qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws, pv_dtype="fp8")).all()
         out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=causal, window_size=ws)
+        assert torch.isfinite(out).all()
+        out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=causal, window_size=ws,
+                                           pv_dtype="fp8")
         assert torch.isfinite(out).all()
     print("prefill sliding windows ran")
 

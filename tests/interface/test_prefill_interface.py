@@ -127,14 +127,14 @@ def test_warmup_lists_the_runtime_prefill_keys():
     from qattn.interface.variants import enumerate_variants
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_90a")}
-    # head_dim x V dtype x causal x (granularity x (dense, varlen, dense fp8 P.V) + unquantized dense / varlen),
-    # plus the 192-row tile of long dense causal grids at head_dim 128 (per_warp, 16-bit P.V), per V dtype
-    assert len(keys) == 2 * 2 * 2 * (2 * 3 + 2) + 2
+    # head_dim x V dtype x causal x (granularity x (dense, varlen) x (16-bit, fp8 P.V) + unquantized dense /
+    # varlen), plus the 192-row tile of long dense causal grids at head_dim 128 (per_warp, 16-bit P.V), per V dtype
+    assert len(keys) == 2 * 2 * 2 * (2 * 4 + 2) + 2
     for vd in ("bf16", "fp16"):
         assert ("sm_90a",) + PrefillConfig(head_dim=128, v_dtype=vd, causal=True, granularity="per_warp",
                                            quantize_q=True, tile_m=192).key in keys
     for causal in (False, True):  # what flash_attn_func / flash_attn_varlen_func build at run time
-        for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8")):
+        for varlen, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8"), (True, "fp8")):
             for gran in ("per_warp", "per_block"):  # per_warp: Q quantized in the kernel
                 cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity=gran, varlen=varlen,
                                     pv_dtype=pv, quantize_q=gran == "per_warp")
@@ -161,16 +161,47 @@ def test_warmup_cli_compiles_prefill_then_reports_cached(tmp_path):
     from tests.interface.test_warmup import check_compiles_then_cached
 
     args = ["--arch", "sm_90a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
-    check_compiles_then_cached(args, "sm_90a", 16, tmp_path)
+    check_compiles_then_cached(args, "sm_90a", 20, tmp_path)
 
 
-def test_varlen_rejects_fp8_pv():
+def test_varlen_fp8_pv_checked_before_launch():
     from qattn.interface.prefill import flash_attn_varlen_func
 
     q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(ValueError, match="varlen"):
+    with pytest.raises(ValueError, match="CUDA"):  # implemented: only the device is wrong here
         flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, pv_dtype="fp8")
+    with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, pv_dtype="e5m2")
+    with pytest.raises(ValueError, match="pv_dtype"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, qk_quant=None, pv_dtype="fp8")
+    q96 = torch.randn(8, 2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_varlen_func(q96, q96, q96, cu, cu, 8, 8, pv_dtype="fp8")
+
+
+def test_prefill_int8_varlen_fp8_inputs_checked():
+    from qattn.interface.prefill import prefill_int8_varlen
+    from qattn.quant.v_fp8 import varlen_vt_keys
+
+    q8, k8 = torch.zeros(200, 4, 64, dtype=torch.int8), torch.zeros(300, 2, 64, dtype=torch.int8)
+    cu_q, cu_k = torch.tensor([0, 50, 200], dtype=torch.int32), torch.tensor([0, 100, 300], dtype=torch.int32)
+    qs, ks = torch.ones(2, 4, 16), torch.ones(2, 2, 2)  # per_warp groups of 150 rows, k blocks of 200
+    keys = varlen_vt_keys(300, 2)
+    assert keys == 320 + 2 * 160  # 300 rounded up to 32, and 160 per sequence
+    vt, vs = torch.zeros(2, 64, keys, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 64)
+    args = (q8, qs, k8, ks)
+    with pytest.raises(ValueError, match="CUDA"):
+        prefill_int8_varlen(*args, vt, cu_q, cu_k, 150, 200, pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(ValueError, match="v: expected shape"):
+        prefill_int8_varlen(*args, vt[..., :300], cu_q, cu_k, 150, 200, pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(ValueError, match="v_scale: expected shape"):
+        prefill_int8_varlen(*args, vt, cu_q, cu_k, 150, 200, pv_dtype="fp8", v_scale=vs[:1])
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        prefill_int8_varlen(*args, torch.ones(300, 2, 64, dtype=torch.bfloat16), cu_q, cu_k, 150, 200,
+                            pv_dtype="fp8", v_scale=vs)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_int8_varlen(*args, torch.ones(300, 2, 64, dtype=torch.bfloat16), cu_q, cu_k, 150, 200, v_scale=vs)
 
 
 def _fp8_args(B=1, Sk=300, Hkv=2, D=64):

@@ -264,7 +264,7 @@ def test_mutated_arguments_take_no_default():
     """torch 2.11's dispatcher drops trailing arguments equal to their defaults before its in-place version bump
     indexes the mutated ones: a mutated argument with a default raised IndexError under torch.compile there."""
     for name in ("write_kv", "paged_decode", "prefill", "prefill_varlen", "flatten_kv", "quantize_qk_int8",
-                 "quantize_qk_int8_varlen", "quantize_v_fp8"):
+                 "quantize_qk_int8_varlen", "quantize_v_fp8", "quantize_v_fp8_varlen"):
         schema = getattr(torch.ops.qattn, name).default._schema
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -311,7 +311,7 @@ def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k, balance
     """The prepass ops' fake outputs have the shapes and dtypes of the exact references' outputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qattn.quant import quantize_v_fp8_reference
+    from qattn.quant import quantize_v_fp8_reference, quantize_v_fp8_varlen_reference
     from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
 
     g = torch.Generator().manual_seed(0)
@@ -323,16 +323,19 @@ def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k, balance
     ref_v = quantize_qk_int8_varlen_reference(qv, kv, cu_q, cu_k, 200, 150, granularity=granularity,
                                               smooth_k=smooth_k, balance_qk=balance_qk)
     ref_fp8 = quantize_v_fp8_reference(k)
+    ref_fp8_varlen = quantize_v_fp8_varlen_reference(kv, cu_k)
     with FakeTensorMode() as mode:
         fq, fk, fv, fcq, fck = (mode.from_tensor(t) for t in (q, k, qv, cu_q, cu_k))
         outs = torch.ops.qattn.quantize_qk_int8(fq, fk, granularity, smooth_k, 128, 16, 128, balance_qk)
         outs_v = torch.ops.qattn.quantize_qk_int8_varlen(fv, mode.from_tensor(kv), fcq, fck, 200, 150, granularity,
                                                           smooth_k, 128, 16, 128, balance_qk)
         outs_fp8 = torch.ops.qattn.quantize_v_fp8(fk)
+        outs_fp8_varlen = torch.ops.qattn.quantize_v_fp8_varlen(mode.from_tensor(kv), fck, 150)
     assert len(outs) == len(outs_v) == 6 and len(ref) == len(ref_v) == (6 if balance_qk else 5)
     if not balance_qk:  # the op's qk_balance slot is an empty tensor
         assert outs[5].numel() == outs_v[5].numel() == 0
-    for fake, real in list(zip(outs, ref)) + list(zip(outs_v, ref_v)) + list(zip(outs_fp8, ref_fp8)):
+    for fake, real in (list(zip(outs, ref)) + list(zip(outs_v, ref_v)) + list(zip(outs_fp8, ref_fp8))
+                       + list(zip(outs_fp8_varlen, ref_fp8_varlen))):
         if real is None:
             assert fake.numel() == 0  # no smoothing: an empty k_mean, None from the public function
         else:
@@ -340,17 +343,19 @@ def test_prepass_fake_shapes_equal_the_references(granularity, smooth_k, balance
 
 
 def test_prepass_traces_into_custom_ops():
-    from qattn.quant import quantize_qk_int8, quantize_v_fp8
+    from qattn.quant import quantize_qk_int8, quantize_v_fp8, quantize_v_fp8_varlen
 
     graphs, record = _recorder()
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
 
     def prepass(q, k):
         qi, qs, ki, ks, km = quantize_qk_int8(q, k, smooth_k=False)
         assert km is None
-        return qi, qs, ki, ks, quantize_v_fp8(k)
+        return qi, qs, ki, ks, quantize_v_fp8(k), quantize_v_fp8_varlen(k[0], cu, 44)
 
     torch._dynamo.reset()
     torch.compile(prepass, fullgraph=True, backend=record)(torch.randn(1, 64, 4, 64).bfloat16(),
                                                             torch.randn(1, 64, 2, 64).bfloat16())
     targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert any("qattn.quantize_qk_int8" in t for t in targets) and any("qattn.quantize_v_fp8" in t for t in targets)
+    assert any("qattn.quantize_v_fp8_varlen" in t for t in targets)

@@ -202,7 +202,7 @@ def test_balance_qk_variants_are_the_runtime_ones(capsys):
         "prefill": {("sm_90a",) + PrefillConfig(head_dim=128, v_dtype=vd, causal=c, granularity="per_warp",
                                                 varlen=vl, pv_dtype=pv, quantize_q=True, balance_qk=True).key
                     for vd in ("bf16", "fp16") for c in (False, True)
-                    for vl, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8"))}
+                    for vl, pv in ((False, "bf16"), (True, "bf16"), (False, "fp8"), (True, "fp8"))}
         | {("sm_90a",) + PrefillConfig(head_dim=128, v_dtype=vd, causal=True, granularity="per_warp",  # long causal
                                        quantize_q=True, balance_qk=True, tile_m=192).key for vd in ("bf16", "fp16")},
         "qk_int8_kmean": {("qk_int8_kmean", "sm_90a") + KMeanPartial(128, b, vl, st).key

@@ -118,3 +118,51 @@ def test_transpose_kernel_index_math_matches_reference():
 
 def test_e4m3_saturates_above_448():
     assert e4m3_decode(e4m3_encode(torch.tensor([448.0 * (1 + 2**-20), 460.0, -1000.0]))).tolist() == [448.0, 448.0, -448.0]
+
+
+# ---- varlen layout ---------------------------------------------------------------------------------------------
+def _cu(lens):
+    import itertools
+
+    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_varlen_regions_are_aligned_disjoint_and_inside(seed):
+    """Every sequence's padded region (one whole tile for an empty sequence: the transpose's tile 0 writes it)
+    starts 32-byte aligned (a DRAM sector), ends before the next one starts, and lies inside ``varlen_vt_keys``."""
+    from qattn.quant.v_fp8 import V_TILE, varlen_vt_keys, varlen_vt_offsets
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    lens = [int(x) for x in torch.randint(0, 400, (n,), generator=g)]
+    lens[::5] = [0] * len(lens[::5])  # empty sequences too
+    lens[1::7] = [x % 3 + 127 for x in lens[1::7]]  # lengths next to a tile edge
+    off = varlen_vt_offsets(_cu(lens)).tolist()
+    ends = [o + max(-(-ln // V_TILE), 1) * V_TILE for o, ln in zip(off, lens)]
+    assert all(o % 32 == 0 for o in off)
+    assert all(e <= o for e, o in zip(ends, off[1:]))
+    assert ends[-1] <= varlen_vt_keys(sum(lens), n)
+
+
+def test_varlen_reference_is_each_sequence_dense_reference_at_its_offset():
+    from qattn.quant.v_fp8 import quantize_v_fp8_varlen_reference, varlen_vt_keys, varlen_vt_offsets
+
+    lens = [1, 300, 0, 129, 64]
+    cu = _cu(lens)
+    v = _v(B=1, Sk=sum(lens), H=2, D=64, seed=3)[0]
+    vt, vs = quantize_v_fp8_varlen_reference(v, cu)
+    assert vt.dtype == torch.float8_e4m3fn and vt.shape == (2, 64, varlen_vt_keys(sum(lens), len(lens)))
+    assert vs.shape == (len(lens), 2, 64)
+    raw = vt.view(torch.uint8)
+    covered = torch.zeros(raw.shape[-1], dtype=torch.bool)
+    for i, o in enumerate(varlen_vt_offsets(cu).tolist()):
+        t, s = quantize_v_fp8_reference(v[cu[i]:cu[i + 1]].unsqueeze(0))
+        assert torch.equal(raw[:, :, o:o + t.shape[-1]], t[0].view(torch.uint8))
+        assert torch.equal(vs[i], s[0])
+        back = dequantize_v_fp8_reference(raw[:, :, o:o + t.shape[-1]].unsqueeze(0).view(torch.float8_e4m3fn),
+                                          vs[i:i + 1], lens[i])
+        assert torch.allclose(back[0], v[cu[i]:cu[i + 1]].float(), rtol=0.07, atol=1e-6 + 0.07 * s.max().item() * 448 / 8)
+        covered[o:o + t.shape[-1]] = True
+    assert (raw[:, :, ~covered] == 0).all()  # zeros between the regions (the kernel leaves them unwritten)
+    assert vs[2].eq(0).all()  # an empty sequence: all-zero scales

@@ -169,7 +169,7 @@ class PrefillConfig:
     tile_m: Optional[int] = None
     tile_n: int = BLOCK_K
     # "bf16": P x V in V's 16-bit dtype (v_dtype); "fp8": P and V^T in E4M3 (V per-channel scaled, transposed and
-    # key-permuted by the V prepass, ``qattn.quant.v_fp8``), two-level fp32 accumulation. Dense only so far.
+    # key-permuted by the V prepass, ``qattn.quant.v_fp8``), two-level fp32 accumulation. Dense or varlen.
     pv_dtype: str = "bf16"
     # "int8": SageAttention-style int8 Q / K with fp32 scales; "bf16": Q and K in V's 16-bit dtype, no
     # quantization (flash_attn_func(qk_quant=None), the A/B baseline of the same kernel)
@@ -232,8 +232,6 @@ class PrefillConfig:
                              "registers with the overlap; use intra_wg_overlap=False")
         if self.pv_dtype not in _PV_DTYPES:
             raise ValueError(f"pv_dtype: expected one of {_PV_DTYPES}, got {self.pv_dtype!r}")
-        if self.pv_dtype == "fp8" and self.varlen:
-            raise ValueError("pv_dtype: 'fp8' is implemented for dense (non-varlen) prefill only")
         if self.qk_dtype not in ("int8", "bf16"):
             raise ValueError(f"qk_dtype: expected 'int8' or 'bf16', got {self.qk_dtype!r}")
         if self.qk_dtype == "bf16" and self.pv_dtype != "bf16":

@@ -38,7 +38,8 @@ split_tail_plan`` says why and when).
 
 FP8 P x V (``PrefillConfig(pv_dtype="fp8")``, same template, branches taken at compile time; the 16-bit variant's
 PTX is byte-identical to the one before the branch existed): V comes from the V prepass
-(``qattn.quant.v_fp8``) as E4M3 V^T (batch, kv_heads, head_dim, keys padded to 128), keys contiguous -- FP8
+(``qattn.quant.v_fp8``) as E4M3 V^T (batch, kv_heads, head_dim, keys padded to 128; varlen: (kv_heads, head_dim,
+keys) with one padded region per sequence at a key offset computed from cu_seqlens_k), keys contiguous -- FP8
 wgmma takes K-major B only -- with a per-channel fp32 scale. P is computed as 448 * P (the P scale folded into the
 exp2 offset, so no multiply and no overflow: P <= 1), rounded to E4M3 in registers (cvt.rn.satfinite.e4m3x2.f32)
 straight into the 8-bit A fragments of ``wgmma.m64n{D}k32.f32.e4m3.e4m3``: instead of exchanging bytes between
@@ -104,6 +105,7 @@ from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x2_to_16x2, f32x4_to_e4m3x4, mul_rn
 from qattn.cute_kernels.sm90.qk_int8_quant import FP32_MIN_NORMAL, INT8_MAX, div_rn
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+from qattn.quant import v_fp8 as vt_layout  # FP8 P x V, varlen: where each sequence's V^T region starts
 
 __all__ = ["QKInt8PrefillSm90"]
 
@@ -314,6 +316,9 @@ class QKInt8PrefillSm90:
             # V^T as the B operand of P x V: (N = dim, K = keys), keys contiguous ("K-major", the only form FP8
             # wgmma takes); keys padded to whole tiles (zeros) and permuted within groups of 32 by the prepass.
             sk_pad = num_k_blocks * TN
+            if cutlass.const_expr(cfg.varlen):  # (kv heads, dim, keys): every sequence's region (qattn.quant.v_fp8)
+                sk_pad = ((seqlen_k + vt_layout.VT_ALIGN - 1) // vt_layout.VT_ALIGN * vt_layout.VT_ALIGN
+                          + vt_layout.VT_SEQ_GAP * num_seqs)
             mV = cute.make_tensor(cute.make_ptr(Float8E4M3FN, v_addr, gmem, assumed_align=16),
                                   cute.make_layout((D, sk_pad, num_kv_heads, batch),
                                                    stride=(sk_pad, 1, D * sk_pad, num_kv_heads * D * sk_pad)))
@@ -532,7 +537,11 @@ class QKInt8PrefillSm90:
                 if cutlass.const_expr(cfg.varlen):  # a tile past the sequence reads the next one's rows: masked
                     q_rows = cute.domain_offset((q_start, 0), q_rows)
                     k_rows = cute.domain_offset((k_start, 0), k_rows)
-                    v_cols = cute.domain_offset((0, k_start), v_cols)
+                    v_start = k_start
+                    if cutlass.const_expr(self.fp8):  # the sequence's V^T region (qattn.quant.v_fp8)
+                        v_start = ((k_start + vt_layout.VT_ALIGN - 1) // vt_layout.VT_ALIGN * vt_layout.VT_ALIGN
+                                   + vt_layout.VT_SEQ_GAP * b)
+                    v_cols = cute.domain_offset((0, v_start), v_cols)
                 gQ = cute.local_tile(q_rows, (TM, D), (m_block, 0))
                 gK = cute.local_tile(k_rows, (TN, D), (None, 0))
                 gV = cute.local_tile(v_cols, (D, TN), (0, None))

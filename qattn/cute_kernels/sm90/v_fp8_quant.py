@@ -29,7 +29,11 @@ not write V), and waits for it after its V loads and before its stores, so the k
 prepass done. No kernel here writes global memory before its wait: a buffer freed on the host while a kernel
 before still reads it may be the one a dependent writes (the caching allocator reuses memory in stream order).
 
-Dense only (no varlen layout yet).
+Varlen (``varlen=True``, compile time): V is the packed (total_k, Hkv, D) tensor (batch stride 0), grid z = the
+sequence, whose rows ``cu_seqlens_k[b] ..`` each CTA reads from ``cu_addr``; the grid is sized for the longest
+sequence (chunks / tiles past a shorter one's end read nothing and store no V^T, but tile 0 always computes and
+writes the sequence's scales); V^T goes to the sequence's region at key offset ``32 ceil(cu[b] / 32) + 160 b``
+of the (Hkv, D, vt_keys) output (:mod:`qattn.quant.v_fp8`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x4_to_e4m3x4, mul_rn
 from qattn.cute_kernels.sm90.qk_int8_quant import div_rn
 from qattn.interface.variants import Variant, cache_for, register
+from qattn.quant import v_fp8 as vt_layout  # the varlen V^T layout (where each sequence's region starts)
 
 __all__ = ["VAmaxPartial", "VFp8TransposeQuant", "V_TILE", "E4M3_MAX", "key_perm_offset", "amax_placeholder_args",
            "transpose_placeholder_args", "compiled_amax", "compiled_transpose"]
@@ -71,14 +76,26 @@ def _widen(word, in_bf16: bool):
     return bf16x2_to_f32x2(word) if in_bf16 else fp4.f16x2_to_f32x2(word)
 
 
+@cute.jit
+def _sequence(varlen: cutlass.Constexpr, cu_addr: Int64, b: Int32, seqlen: Int32):
+    """(first row, length) of sequence ``b``: (0, seqlen) when dense (batch stride), from cu_seqlens when varlen."""
+    start = Int32(0)
+    if cutlass.const_expr(varlen):
+        cu = cute.make_tensor(_gptr(Int32, cu_addr, 4), cute.make_layout(2 ** 30))
+        start = cu[b]
+        seqlen = cu[b + 1] - start
+    return start, seqlen
+
+
 class VAmaxPartial:
     """fp32 per-chunk channel amax of V (B, S, H, D) bf16/fp16 (dense, contiguous last dim, strides given)."""
 
-    def __init__(self, head_dim: int, in_bf16: bool = True):
+    def __init__(self, head_dim: int, in_bf16: bool = True, varlen: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim: the V FP8 prepass supports 64 and 128, got {head_dim}")
         self.head_dim = head_dim
         self.in_bf16 = bool(in_bf16)
+        self.varlen = bool(varlen)
         self.threads_per_row = head_dim // 8
         self.threads = max(128, head_dim)
         self.rows_per_pass = self.threads // self.threads_per_row
@@ -86,25 +103,26 @@ class VAmaxPartial:
 
     @property
     def key(self) -> tuple:
-        return ("bf16" if self.in_bf16 else "fp16", self.head_dim)
+        return ("bf16" if self.in_bf16 else "fp16", self.head_dim) + (("varlen",) if self.varlen else ())
 
     @cute.jit
-    def __call__(self, x_addr: Int64, partial_addr: Int64, batch: Int32, seqlen: Int32, num_heads: Int32,
-                 num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64,
-                 pdl: Int32, stream: cuda.CUstream):
+    def __call__(self, x_addr: Int64, cu_addr: Int64, partial_addr: Int64, batch: Int32, seqlen: Int32,
+                 num_heads: Int32, num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64,
+                 stride_h: Int64, pdl: Int32, stream: cuda.CUstream):
         """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel before it, which must not write V
         (``flash_attn_func``: the K prepass's last kernel): this grid reads V while that one ends, and waits for
         it (``griddepcontrol.wait``) before it writes anything, so that whatever waits for this grid waits for
         both, and its stores cannot land in memory the kernels before still use (torch's caching allocator
         recycles a freed buffer for the next allocation in stream order, which a programmatic dependent does not
-        keep)."""
-        self.kernel(x_addr, partial_addr, seqlen, num_heads, num_chunks, chunk_rows, stride_b, stride_s,
+        keep).
+        Varlen: ``batch`` = sequences, ``seqlen`` = the longest, ``cu_addr`` = cu_seqlens_k (unused when dense)."""
+        self.kernel(x_addr, cu_addr, partial_addr, seqlen, num_heads, num_chunks, chunk_rows, stride_b, stride_s,
                     stride_h).launch(grid=(num_chunks, num_heads, batch), block=(self.threads, 1, 1), stream=stream,
                                      use_pdl=pdl)
 
     @cute.kernel
-    def kernel(self, x_addr: Int64, partial_addr: Int64, seqlen: Int32, num_heads: Int32, num_chunks: Int32,
-               chunk_rows: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64):
+    def kernel(self, x_addr: Int64, cu_addr: Int64, partial_addr: Int64, seqlen: Int32, num_heads: Int32,
+               num_chunks: Int32, chunk_rows: Int32, stride_b: Int64, stride_s: Int64, stride_h: Int64):
         D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
         # the fold of the partials (launched with pdl) may be scheduled now: it waits for this grid's end
         cute.arch.griddepcontrol_launch_dependents()
@@ -112,7 +130,9 @@ class VAmaxPartial:
         chunk, head, b = cute.arch.block_idx()
         part = tidx % TPR
         rip = tidx // TPR
-        base = x_addr + (Int64(b) * stride_b + Int64(head) * stride_h) * Int64(2) + Int64(part * 16)
+        start, seqlen = _sequence(self.varlen, cu_addr, b, seqlen)
+        base = (x_addr + (Int64(b) * stride_b + Int64(start) * stride_s + Int64(head) * stride_h) * Int64(2)
+                + Int64(part * 16))
         begin = chunk * chunk_rows
         end = begin + chunk_rows
         if end > seqlen:
@@ -157,11 +177,12 @@ class VAmaxPartial:
 class VFp8TransposeQuant:
     """Scales from the amax partials, then E4M3 V^T tiles (128 tokens x D channels per CTA); module docstring."""
 
-    def __init__(self, head_dim: int, in_bf16: bool = True):
+    def __init__(self, head_dim: int, in_bf16: bool = True, varlen: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim: the V FP8 prepass supports 64 and 128, got {head_dim}")
         self.head_dim = head_dim
         self.in_bf16 = bool(in_bf16)
+        self.varlen = bool(varlen)
         self.dtype = BFloat16 if in_bf16 else Float16
         self.threads = _THREADS
         self.threads_per_row = head_dim // 8
@@ -171,21 +192,23 @@ class VFp8TransposeQuant:
 
     @property
     def key(self) -> tuple:
-        return ("bf16" if self.in_bf16 else "fp16", self.head_dim, V_TILE)
+        return ("bf16" if self.in_bf16 else "fp16", self.head_dim, V_TILE) + (("varlen",) if self.varlen else ())
 
     @cute.jit
-    def __call__(self, x_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64, batch: Int32,
-                 seqlen: Int32, num_heads: Int32, num_chunks: Int32, num_tiles: Int32, stride_b: Int64,
-                 stride_s: Int64, stride_h: Int64, pdl: Int32, stream: cuda.CUstream):
+    def __call__(self, x_addr: Int64, cu_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64,
+                 batch: Int32, seqlen: Int32, num_heads: Int32, num_chunks: Int32, num_tiles: Int32, vt_keys: Int32,
+                 stride_b: Int64, stride_s: Int64, stride_h: Int64, pdl: Int32, stream: cuda.CUstream):
         """``pdl`` (0 / 1): launched as a programmatic dependent of the kernel that wrote ``partial`` (the amax
-        or fold kernel): this grid loads its V tile while that one ends and waits before reading the partials."""
-        self.kernel(x_addr, partial_addr, vt_addr, scale_addr, seqlen, num_heads, num_chunks, num_tiles, stride_b,
-                    stride_s, stride_h).launch(grid=(num_tiles, num_heads, batch), block=(self.threads, 1, 1),
+        or fold kernel): this grid loads its V tile while that one ends and waits before reading the partials.
+        ``vt_keys``: keys per (head, channel) row of the output (dense: ``num_tiles * 128``). Varlen: ``batch`` =
+        sequences, ``seqlen`` = the longest, ``cu_addr`` = cu_seqlens_k (unused when dense)."""
+        self.kernel(x_addr, cu_addr, partial_addr, vt_addr, scale_addr, seqlen, num_heads, num_chunks, vt_keys,
+                    stride_b, stride_s, stride_h).launch(grid=(num_tiles, num_heads, batch), block=(self.threads, 1, 1),
                                                stream=stream, use_pdl=pdl)
 
     @cute.kernel
-    def kernel(self, x_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64, seqlen: Int32,
-               num_heads: Int32, num_chunks: Int32, num_tiles: Int32, stride_b: Int64, stride_s: Int64,
+    def kernel(self, x_addr: Int64, cu_addr: Int64, partial_addr: Int64, vt_addr: Int64, scale_addr: Int64,
+               seqlen: Int32, num_heads: Int32, num_chunks: Int32, vt_keys: Int32, stride_b: Int64, stride_s: Int64,
                stride_h: Int64):
         D, TPR, RPP = self.head_dim, self.threads_per_row, self.rows_per_pass
         # FP8 P.V: the attention kernel after this one may start early (see ``qk_int8_quant``'s kernel)
@@ -194,11 +217,22 @@ class VFp8TransposeQuant:
         tile, head, b = cute.arch.block_idx()
         bh = Int64(b) * Int64(num_heads) + Int64(head)
         row0 = tile * V_TILE
+        start, seqlen = _sequence(self.varlen, cu_addr, b, seqlen)
+        # V^T rows: (batch, head, channel) dense; varlen (head, channel), the sequence's region from vt_off on
+        vt_bh, vt_off = bh, Int64(0)
+        if cutlass.const_expr(self.varlen):
+            vt_bh = Int64(head)
+            A = vt_layout.VT_ALIGN
+            vt_off = Int64((start + A - 1) // A * A) + Int64(b) * Int64(vt_layout.VT_SEQ_GAP)
+        # varlen grids are sized for the longest sequence: a tile past this one's end stores nothing (tile 0
+        # always runs: it writes the scales, and for an empty sequence one zero tile inside its gap)
+        stores = (row0 < seqlen) | (tile == 0)
 
         # ---- the tile: 16-byte loads (all in flight), rows past the sequence are zeros
         part = tidx % TPR
         rip = tidx // TPR
-        base = x_addr + (Int64(b) * stride_b + Int64(head) * stride_h) * Int64(2) + Int64(part * 16)
+        base = (x_addr + (Int64(b) * stride_b + Int64(start) * stride_s + Int64(head) * stride_h) * Int64(2)
+                + Int64(part * 16))
         vec128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
         rX = cute.make_rmem_tensor((4, self.passes), Uint32)
         rX.fill(Uint32(0))
@@ -239,7 +273,6 @@ class VFp8TransposeQuant:
         cute.arch.sync_threads()
 
         # ---- V^T: thread item = (channel c, 16 stored positions), 16 bytes out
-        sk_pad = Int64(num_tiles) * Int64(V_TILE)
         for k in cutlass.range_constexpr(self.items):
             item = tidx + k * self.threads
             c = item % D
@@ -252,17 +285,18 @@ class VFp8TransposeQuant:
             out = cute.make_rmem_tensor((4,), Uint32)
             for w in cutlass.range_constexpr(4):
                 out[w] = f32x4_to_e4m3x4(vals[4 * w], vals[4 * w + 1], vals[4 * w + 2], vals[4 * w + 3])
-            dst = vt_addr + (bh * Int64(D) + Int64(c)) * sk_pad + Int64(row0 + chunk * 16)
-            cute.copy(vec128, out, cute.make_tensor(_gptr(Uint32, dst, 16), cute.make_layout(4)))
+            dst = vt_addr + (vt_bh * Int64(D) + Int64(c)) * Int64(vt_keys) + vt_off + Int64(row0 + chunk * 16)
+            if stores:
+                cute.copy(vec128, out, cute.make_tensor(_gptr(Uint32, dst, 16), cute.make_layout(4)))
 
 
 def amax_placeholder_args() -> tuple:
-    return ((Int64(0), Int64(0)) + tuple(Int32(1) for _ in range(5)) + tuple(Int64(1) for _ in range(3))
+    return ((Int64(0), Int64(0), Int64(0)) + tuple(Int32(1) for _ in range(5)) + tuple(Int64(1) for _ in range(3))
             + (Int32(0), cute.runtime.make_fake_stream(),))
 
 
 def transpose_placeholder_args() -> tuple:
-    return (tuple(Int64(0) for _ in range(4)) + tuple(Int32(1) for _ in range(5)) + tuple(Int64(1) for _ in range(3))
+    return (tuple(Int64(0) for _ in range(5)) + tuple(Int32(1) for _ in range(6)) + tuple(Int64(1) for _ in range(3))
             + (Int32(0), cute.runtime.make_fake_stream(),))
 
 
@@ -287,9 +321,11 @@ def _amax_variants(arch: str, head_dims=None, **_):
     for d in head_dims or [64, 128]:
         if d in (64, 128):
             for in_bf16 in (True, False):
-                cfg = VAmaxPartial(d, in_bf16)
-                out.append(Variant(KIND_AMAX, (KIND_AMAX, arch) + cfg.key, f"{'bf16' if in_bf16 else 'fp16'} D{d}",
-                                   lambda cfg=cfg: _build(cfg, arch)))
+                for varlen in (False, True):
+                    cfg = VAmaxPartial(d, in_bf16, varlen)
+                    out.append(Variant(KIND_AMAX, (KIND_AMAX, arch) + cfg.key,
+                                       f"{'bf16' if in_bf16 else 'fp16'} D{d}{' varlen' if varlen else ''}",
+                                       lambda cfg=cfg: _build(cfg, arch)))
     return out
 
 
@@ -299,7 +335,9 @@ def _transpose_variants(arch: str, head_dims=None, **_):
     for d in head_dims or [64, 128]:
         if d in (64, 128):
             for in_bf16 in (True, False):
-                cfg = VFp8TransposeQuant(d, in_bf16)
-                out.append(Variant(KIND_TRANSPOSE, (KIND_TRANSPOSE, arch) + cfg.key,
-                                   f"{'bf16' if in_bf16 else 'fp16'} D{d}", lambda cfg=cfg: _build(cfg, arch)))
+                for varlen in (False, True):
+                    cfg = VFp8TransposeQuant(d, in_bf16, varlen)
+                    out.append(Variant(KIND_TRANSPOSE, (KIND_TRANSPOSE, arch) + cfg.key,
+                                       f"{'bf16' if in_bf16 else 'fp16'} D{d}{' varlen' if varlen else ''}",
+                                       lambda cfg=cfg: _build(cfg, arch)))
     return out
