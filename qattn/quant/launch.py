@@ -122,7 +122,8 @@ def _quant_kernel(arch: str, head_dim: int, group_rows: int, in_bf16: bool, subt
 
 
 @functools.lru_cache(maxsize=None)
-def k_cluster_plan(head_dim: int, block_k: int, num_groups: int) -> tuple[int, int] | None:
+def k_cluster_plan(head_dim: int, block_k: int, num_groups: int, units: int = 1,
+                   num_sms: int = 132) -> tuple[int, int] | None:
     """``(cluster, groups_per_cta)`` of the one-launch K quantization (a cluster of CTAs holds all rows of one
     (sequence, head) in registers and adds up the mean itself: one launch, K read once), or None for the mean
     kernel + quantize kernel path: ``groups_per_cta`` is the smallest power of two that covers ``num_groups``
@@ -133,9 +134,18 @@ def k_cluster_plan(head_dim: int, block_k: int, num_groups: int) -> tuple[int, i
     -> 11.8 us (143 -> 116 us), S2K 18.3 -> 19.8 (166 -> 156), D64 S2K 11.0 -> 11.0 (141 -> 111); with 4 groups
     per CTA slower on the GPU and not faster end to end (D128 S4K 40.9 -> 43.5 us, 456 -> 471; D64 S4K 17.8 ->
     18.8; D64 S8K, 8 per CTA, 33.6 -> 43.5): every CTA loads, waits for its cluster's sums, then quantizes, with
-    nothing to overlap those phases."""
+    nothing to overlap those phases.
+
+    ``units`` (sequences x kv heads): only while their clusters fit one wave of 8 CTAs per SM; beyond, the two
+    kernels win (many short sequences leave most of a cluster's CTAs idle). H100, K prepass, graph, cluster / two
+    kernels: varlen 300 sequences of 1-199 keys, 16 kv heads, 574.3 / 148.9 us (``flash_attn_varlen_func`` causal
+    957.2 / 532.9 us), 8 kv heads 289.7 / 80.8; 64 x 128 keys, 8 kv heads 67.1 / 19.2; 16 sequences of 300-1000
+    keys, 8 kv heads (128 units) 27.2 / 32.2; dense B2 H16 S256 / S512 / S1K 13.2 / 14.0, 13.5 / 14.4, 14.0 /
+    16.3."""
     from ..cute_kernels.sm90.qk_int8_quant import CLUSTER_SIZE, cluster_groups_per_cta
 
+    if units * CLUSTER_SIZE > 8 * num_sms:
+        return None
     gpc = cluster_groups_per_cta(head_dim, block_k, num_groups)
     return None if gpc is None else (CLUSTER_SIZE, gpc)
 
@@ -193,6 +203,14 @@ def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple
     return -(-seqlen // chunk), chunk
 
 
+def _varlen_rows(num_seqs: int, total: int, max_seqlen: int, heads: int) -> int:
+    """The ``rows`` of :func:`_k_chunks` for packed sequences: the work of ``total`` rows counted in sequences of
+    ``max_seqlen``, not ``num_seqs`` of them, so that a ragged batch's long sequences get the chunks its short
+    ones do not need (the grid covers ``max_seqlen`` for every sequence; chunks past a short one's end are
+    empty). Equal lengths: ``num_seqs * heads``, as dense."""
+    return max(1, min(num_seqs, -(-total // max(max_seqlen, 1)))) * heads
+
+
 # ------------------------------------------------------------------------------------------------
 # the shared launch sequence
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +241,8 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
         if balance:
             if seqlen_q > 0 and seqlen_k > 0:  # column amax of Q (per q head; the K kernel takes the group's max)
                 qcfg, qstats = _kmean_kernel(arch, D, q.dtype == torch.bfloat16, varlen, "absmax")
-                nc, chunk_rows = _k_chunks(seqlen_q, batch * Hq, qcfg.rows_per_step, _num_sms(dev))
+                rows = _varlen_rows(batch, q.shape[0], seqlen_q, Hq) if varlen else batch * Hq
+                nc, chunk_rows = _k_chunks(seqlen_q, rows, qcfg.rows_per_step, _num_sms(dev))
                 q_amax = _alloc((batch, Hq, nc, D), torch.float32, dev)
                 qstats(addr(q), 0, addr(q_amax), addr(cu_q), batch, seqlen_q, Hq, nc, chunk_rows, *strides(q), stream)
                 q_amax, _ = _fold_chunks(q_amax, "max_f32", arch, stream)
@@ -236,11 +255,12 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
             num_chunks = 1
             plan = None  # (cluster, groups per CTA): K short enough for one launch that reads it once
             if smooth_k and not balance:
-                plan = k_cluster_plan(D, block_k, k_scale.shape[2])
+                plan = k_cluster_plan(D, block_k, k_scale.shape[2], batch * Hkv, _num_sms(dev))
             if plan is None and (smooth_k or balance):
                 stats = ("sum_range" if smooth_k else "range") if balance else "sum"
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen, stats)
-                nc, chunk_rows = _k_chunks(seqlen_k, batch * Hkv, kcfg.rows_per_step, _num_sms(dev))
+                rows = _varlen_rows(batch, k.shape[0], seqlen_k, Hkv) if varlen else batch * Hkv
+                nc, chunk_rows = _k_chunks(seqlen_k, rows, kcfg.rows_per_step, _num_sms(dev))
                 if smooth_k:
                     partial = _alloc((batch, Hkv, nc, D), torch.float64, dev)
                 if balance:

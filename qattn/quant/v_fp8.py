@@ -214,7 +214,8 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
     (not checked on the host: that would sync). ``_pdl`` as in :func:`quantize_v_fp8`."""
     from ..interface.fast_launch import on_device, stream_handle
     from ..interface.variants import supported_arch
-    from .launch import _check_cu, _check_max_seqlen, _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
+    from .launch import (_check_cu, _check_max_seqlen, _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides,
+                         _varlen_rows)
 
     if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8_varlen
         from ..interface.torch_ops import quantize_v_fp8_varlen_traced
@@ -249,7 +250,7 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
         arch = supported_arch(dev)
         stream = stream_handle(dev)
         rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16, True)
-        num_chunks, chunk_rows = _k_chunks(max(Sk, 1), n * H, rows_per_step, _num_sms(dev))
+        num_chunks, chunk_rows = _k_chunks(max(Sk, 1), _varlen_rows(n, total, Sk, H), rows_per_step, _num_sms(dev))
         partial = _alloc((n, H, num_chunks, D), torch.float32, dev)
         amax_k(v.data_ptr(), cu.data_ptr(), partial.data_ptr(), n, Sk, H, num_chunks, chunk_rows, 0, ss, sh,
                int(_pdl), stream)

@@ -85,3 +85,23 @@ def test_k_chunks():
     assert n <= launch._MAX_K_CHUNKS == 64 and n * rows >= 1 << 20
     n, rows = launch._k_chunks(1, 4, 64, 132)
     assert n == 1 and rows == 64
+
+
+def test_varlen_rows_count_the_work_in_longest_sequences():
+    # equal lengths: sequences x heads, as dense; ragged: the long sequences get the chunks the short ones skip
+    assert launch._varlen_rows(4, 4 * 4096, 4096, 16) == 64
+    assert launch._varlen_rows(35, 16900, 8000, 16) == 3 * 16
+    assert launch._varlen_rows(65, 16384 + 64 * 128, 16384, 8) == 2 * 8
+    assert launch._varlen_rows(3, 0, 0, 2) == 2  # nothing to do: still a valid grid
+    n_ragged, _ = launch._k_chunks(8000, launch._varlen_rows(35, 16900, 8000, 16), 64, 132)
+    n_padded, _ = launch._k_chunks(8000, 35 * 16, 64, 132)
+    assert n_ragged > 5 * n_padded
+
+
+def test_k_cluster_plan_only_while_its_clusters_fit_one_wave():
+    assert launch.k_cluster_plan(128, 128, 8) == (8, 1)
+    assert launch.k_cluster_plan(128, 128, 8, units=32, num_sms=132) == (8, 1)
+    assert launch.k_cluster_plan(128, 128, 8, units=132, num_sms=132) == (8, 1)  # 8 CTAs per SM
+    assert launch.k_cluster_plan(128, 128, 8, units=133, num_sms=132) is None
+    assert launch.k_cluster_plan(128, 128, 2, units=300 * 16, num_sms=132) is None  # many short sequences
+    assert launch.k_cluster_plan(128, 128, 17) is None  # longer than 2048 keys

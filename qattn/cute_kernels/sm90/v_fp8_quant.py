@@ -249,8 +249,29 @@ class VFp8TransposeQuant:
         sInv = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
         # the tile as 32-bit words: (row, word) with D / 2 words per row
         sX = smem.allocate_tensor(Uint32, cute.make_layout((V_TILE, D // 2), stride=(D // 2, 1)), byte_alignment=16)
+        if stores:  # (CTA-uniform) varlen: nothing to do past a sequence's end, not even its scales
+            self._scales_and_tile(tidx, tile, bh, partial_addr, scale_addr, num_chunks, sInv, sX, rX, part, rip)
+            # ---- V^T: thread item = (channel c, 16 stored positions), 16 bytes out
+            for k in cutlass.range_constexpr(self.items):
+                item = tidx + k * self.threads
+                c = item % D
+                chunk = item // D  # stored positions [16 chunk, 16 chunk + 16) of the tile
+                inv = sInv[c]
+                vals = []
+                for e in cutlass.range_constexpr(16):
+                    lo, hi = _widen(sX[chunk * 16 + key_perm_offset(e), c // 2], self.in_bf16)
+                    vals.append(mul_rn(cutlass.select_(c % 2 == 1, hi, lo), inv))
+                out = cute.make_rmem_tensor((4,), Uint32)
+                for w in cutlass.range_constexpr(4):
+                    out[w] = f32x4_to_e4m3x4(vals[4 * w], vals[4 * w + 1], vals[4 * w + 2], vals[4 * w + 3])
+                dst = vt_addr + (vt_bh * Int64(D) + Int64(c)) * Int64(vt_keys) + vt_off + Int64(row0 + chunk * 16)
+                cute.copy(vec128, out, cute.make_tensor(_gptr(Uint32, dst, 16), cute.make_layout(4)))
 
-        # ---- channel scales (every CTA of this head computes the same values; tile 0 writes them)
+    @cute.jit
+    def _scales_and_tile(self, tidx, tile, bh, partial_addr, scale_addr, num_chunks, sInv, sX, rX, part, rip):
+        """The channels' inverse scales into ``sInv`` (every CTA of a head computes the same values from the
+        partials; tile 0 writes the scales) and this CTA's V tile into ``sX``, then a CTA barrier."""
+        D, RPP = self.head_dim, self.rows_per_pass
         if tidx < D:
             mPart = cute.make_tensor(_gptr(Float32, partial_addr + bh * Int64(num_chunks * D * 4), 4),
                                      cute.make_layout((D, num_chunks), stride=(1, D)))
@@ -265,29 +286,11 @@ class VFp8TransposeQuant:
             if tile == 0:
                 mS = cute.make_tensor(_gptr(Float32, scale_addr + bh * Int64(D * 4), 4), cute.make_layout(D))
                 mS[tidx] = s
-
         for p in cutlass.range_constexpr(self.passes):
             r = p * RPP + rip
             for w in cutlass.range_constexpr(4):
                 sX[r, part * 4 + w] = rX[w, p]
         cute.arch.sync_threads()
-
-        # ---- V^T: thread item = (channel c, 16 stored positions), 16 bytes out
-        for k in cutlass.range_constexpr(self.items):
-            item = tidx + k * self.threads
-            c = item % D
-            chunk = item // D  # stored positions [16 chunk, 16 chunk + 16) of the tile
-            inv = sInv[c]
-            vals = []
-            for e in cutlass.range_constexpr(16):
-                lo, hi = _widen(sX[chunk * 16 + key_perm_offset(e), c // 2], self.in_bf16)
-                vals.append(mul_rn(cutlass.select_(c % 2 == 1, hi, lo), inv))
-            out = cute.make_rmem_tensor((4,), Uint32)
-            for w in cutlass.range_constexpr(4):
-                out[w] = f32x4_to_e4m3x4(vals[4 * w], vals[4 * w + 1], vals[4 * w + 2], vals[4 * w + 3])
-            dst = vt_addr + (vt_bh * Int64(D) + Int64(c)) * Int64(vt_keys) + vt_off + Int64(row0 + chunk * 16)
-            if stores:
-                cute.copy(vec128, out, cute.make_tensor(_gptr(Uint32, dst, 16), cute.make_layout(4)))
 
 
 def amax_placeholder_args() -> tuple:
