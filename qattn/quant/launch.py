@@ -141,7 +141,8 @@ def k_cluster_plan(head_dim: int, block_k: int, num_groups: int, units: int = 1,
     kernels: varlen 300 sequences of 1-199 keys, 16 kv heads, 574.3 / 148.9 us (``flash_attn_varlen_func`` causal
     957.2 / 532.9 us), 8 kv heads 289.7 / 80.8; 64 x 128 keys, 8 kv heads 67.1 / 19.2; 16 sequences of 300-1000
     keys, 8 kv heads (128 units) 27.2 / 32.2; dense B2 H16 S256 / S512 / S1K 13.2 / 14.0, 13.5 / 14.4, 14.0 /
-    16.3."""
+    16.3; the gain fades as units grow: dense B8 H32 / 8 S512 / S1K / S2K (64 units) 19.6 / 17.4, 22.4 / 22.2,
+    42.3 / 39.2, B4 H32 / 32 S1K (128 units) 38.9 / 39.5."""
     from ..cute_kernels.sm90.qk_int8_quant import CLUSTER_SIZE, cluster_groups_per_cta
 
     if units * CLUSTER_SIZE > 8 * num_sms:
