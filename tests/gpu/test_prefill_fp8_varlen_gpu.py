@@ -10,23 +10,12 @@ import itertools
 import pytest
 import torch
 
-from tests.gpu.test_prefill_gpu import _nrmse, _varlen_inputs
+from tests.gpu.test_prefill_gpu import _nrmse, _varlen_inputs, poison_v_prepass  # noqa: F401 (a fixture)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-@pytest.fixture
-def poison_v_prepass(monkeypatch):
-    import qattn.quant.v_fp8 as m
-
-    def alloc(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(0xFF) if dtype == torch.uint8 else t.fill_(float("nan"))  # 0xFF is E4M3 NaN
-
-    monkeypatch.setattr(m, "_alloc", alloc)
 
 
 def _cu(lens):
