@@ -35,7 +35,7 @@ import torch
 from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
 
 __all__ = ["V_TILE", "VT_ALIGN", "VT_SEQ_GAP", "key_permutation", "quantize_v_fp8_reference", "dequantize_v_fp8_reference",
-           "quantize_v_fp8", "varlen_vt_offsets", "varlen_vt_keys", "quantize_v_fp8_varlen_reference",
+           "quantize_v_fp8", "varlen_vt_offset", "varlen_vt_offsets", "varlen_vt_keys", "quantize_v_fp8_varlen_reference",
            "quantize_v_fp8_varlen"]
 
 V_TILE = 128
@@ -59,15 +59,22 @@ def _padded(sk: int) -> int:
     return -(-sk // V_TILE) * V_TILE
 
 
+def varlen_vt_offset(first_key, index):
+    """The key offset of sequence ``index``'s region in a varlen ``vt`` (``first_key`` = its cu_seqlens_k entry);
+    ``(total_k, num_seqs)`` gives the keys per row. The one formula of the layout: Python ints, torch tensors and
+    CuTe-DSL integers alike (the V prepass and the attention kernel call it in device code)."""
+    return (first_key + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_SEQ_GAP * index
+
+
 def varlen_vt_offsets(cu_seqlens_k: torch.Tensor) -> torch.Tensor:
     """int64 (num_seqs,): the key offset of each sequence's region in a varlen ``vt`` (module docstring)."""
     cu = cu_seqlens_k[:-1].to(torch.int64)
-    return (cu + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_SEQ_GAP * torch.arange(cu.shape[0], device=cu.device)
+    return varlen_vt_offset(cu, torch.arange(cu.shape[0], device=cu.device))
 
 
 def varlen_vt_keys(total_k: int, num_seqs: int) -> int:
     """Keys per (kv head, channel) row of a varlen ``vt``: room for every sequence's region at its offset."""
-    return (total_k + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_SEQ_GAP * num_seqs
+    return varlen_vt_offset(total_k, num_seqs)
 
 
 def _check_v(v) -> None:
@@ -160,10 +167,6 @@ def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
     they are when 16-byte aligned, otherwise ``v`` is copied). ``_pdl`` (``flash_attn_func`` only): the kernel
     launched just before did not write ``v``, so the first launch may start while it ends."""
-    from ..interface.fast_launch import on_device, stream_handle
-    from ..interface.variants import supported_arch
-    from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
-
     if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8
         from ..interface.torch_ops import quantize_v_fp8_traced
 
@@ -185,20 +188,7 @@ def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor
     if Sk == 0:
         scale.zero_()
         return vt.view(torch.float8_e4m3fn), scale
-    v = _kernel_view(v)
-    sb, ss, sh = _strides(v)
-    in_bf16 = v.dtype == torch.bfloat16
-    with on_device(dev):
-        arch = supported_arch(dev)
-        stream = stream_handle(dev)
-        rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16)
-        num_chunks, chunk_rows = _k_chunks(Sk, B * H, rows_per_step, _num_sms(dev))
-        partial = _alloc((B, H, num_chunks, D), torch.float32, dev)
-        amax_k(v.data_ptr(), 0, partial.data_ptr(), B, Sk, H, num_chunks, chunk_rows, sb, ss, sh, int(_pdl), stream)
-        partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
-        # pdl: after the kernel that wrote the partials (the fold, or the amax kernel for one chunk)
-        tq(v.data_ptr(), 0, partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), B, Sk, H, num_chunks,
-           sk_pad // V_TILE, sk_pad, sb, ss, sh, 1, stream)
+    _launch(v, None, B, Sk, B * H, vt, scale, sk_pad // V_TILE, sk_pad, _pdl)
     return vt.view(torch.float8_e4m3fn), scale
 
 
@@ -212,10 +202,7 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
     ``v`` (total_k, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous; ``cu_seqlens_k`` int32
     (num_seqs + 1,) on v's device, non-decreasing from 0 to total_k, no sequence longer than ``max_seqlen_k``
     (not checked on the host: that would sync). ``_pdl`` as in :func:`quantize_v_fp8`."""
-    from ..interface.fast_launch import on_device, stream_handle
-    from ..interface.variants import supported_arch
-    from .launch import (_check_cu, _check_max_seqlen, _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides,
-                         _varlen_rows)
+    from .launch import _check_cu, _check_max_seqlen, _varlen_rows
 
     if torch.compiler.is_compiling():  # traced as the custom op qattn::quantize_v_fp8_varlen
         from ..interface.torch_ops import quantize_v_fp8_varlen_traced
@@ -242,19 +229,33 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
     scale = _alloc((n, H, D), torch.float32, dev)
     if n == 0 or H == 0:
         return vt.view(torch.float8_e4m3fn), scale
+    _launch(v, cu_seqlens_k.contiguous(), n, Sk, _varlen_rows(n, total, Sk, H), vt, scale,
+            max(-(-Sk // V_TILE), 1), keys, _pdl)
+    return vt.view(torch.float8_e4m3fn), scale
+
+
+def _launch(v: torch.Tensor, cu, batch: int, seqlen: int, rows: int, vt, scale, num_tiles: int, vt_keys: int,
+            pdl: bool) -> None:
+    """The launches of both entry points: channel amax per chunk, their fold, the V^T transpose. ``cu``:
+    cu_seqlens_k (varlen, ``batch`` sequences of at most ``seqlen`` rows) or None (dense); ``rows``: the work in
+    sequences x heads that sizes the chunks (``launch._k_chunks``)."""
+    from ..interface.fast_launch import on_device, stream_handle
+    from ..interface.variants import supported_arch
+    from .launch import _fold_chunks, _k_chunks, _kernel_view, _num_sms, _strides
+
+    dev, (H, D) = v.device, v.shape[-2:]
     v = _kernel_view(v)
-    ss, sh = _strides(v)
-    in_bf16 = v.dtype == torch.bfloat16
-    cu = cu_seqlens_k.contiguous()
+    sb, ss, sh = _strides(v) if cu is None else (0, *_strides(v))  # varlen: one packed "batch"
+    cu_addr = 0 if cu is None else cu.data_ptr()
     with on_device(dev):
         arch = supported_arch(dev)
         stream = stream_handle(dev)
-        rows_per_step, amax_k, tq = _v_kernels(arch, D, in_bf16, True)
-        num_chunks, chunk_rows = _k_chunks(max(Sk, 1), _varlen_rows(n, total, Sk, H), rows_per_step, _num_sms(dev))
-        partial = _alloc((n, H, num_chunks, D), torch.float32, dev)
-        amax_k(v.data_ptr(), cu.data_ptr(), partial.data_ptr(), n, Sk, H, num_chunks, chunk_rows, 0, ss, sh,
-               int(_pdl), stream)
-        partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)
-        tq(v.data_ptr(), cu.data_ptr(), partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), n, Sk, H, num_chunks,
-           max(-(-Sk // V_TILE), 1), keys, 0, ss, sh, 1, stream)
-    return vt.view(torch.float8_e4m3fn), scale
+        rows_per_step, amax_k, tq = _v_kernels(arch, D, v.dtype == torch.bfloat16, cu is not None)
+        num_chunks, chunk_rows = _k_chunks(max(seqlen, 1), rows, rows_per_step, _num_sms(dev))
+        partial = _alloc((batch, H, num_chunks, D), torch.float32, dev)
+        amax_k(v.data_ptr(), cu_addr, partial.data_ptr(), batch, seqlen, H, num_chunks, chunk_rows, sb, ss, sh,
+               int(pdl), stream)
+        partial, num_chunks = _fold_chunks(partial, "max_f32", arch, stream)  # one amax per channel
+        # pdl: after the kernel that wrote the partials (the fold, or the amax kernel for one chunk)
+        tq(v.data_ptr(), cu_addr, partial.data_ptr(), vt.data_ptr(), scale.data_ptr(), batch, seqlen, H, num_chunks,
+           num_tiles, vt_keys, sb, ss, sh, 1, stream)

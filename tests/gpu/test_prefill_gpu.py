@@ -563,8 +563,8 @@ def test_v_fp8_prepass_pdl_chain(monkeypatch, B, Sk, H, D):
     with_pdl = [qattn.flash_attn_func(q, k, v, causal=True, pv_dtype="fp8", return_lse=True) for _ in range(4)]
     orig = V._v_kernels
 
-    def plain(arch, d, in_bf16):  # every V prepass kernel launched plainly (pdl = 0)
-        rows, amax, transpose = orig(arch, d, in_bf16)
+    def plain(arch, d, in_bf16, *varlen):  # every V prepass kernel launched plainly (pdl = 0)
+        rows, amax, transpose = orig(arch, d, in_bf16, *varlen)
         return rows, (lambda *a: amax(*a[:-2], 0, a[-1])), (lambda *a: transpose(*a[:-2], 0, a[-1]))
 
     monkeypatch.setattr(V, "_v_kernels", plain)

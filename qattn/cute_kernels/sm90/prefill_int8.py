@@ -317,8 +317,7 @@ class QKInt8PrefillSm90:
             # wgmma takes); keys padded to whole tiles (zeros) and permuted within groups of 32 by the prepass.
             sk_pad = num_k_blocks * TN
             if cutlass.const_expr(cfg.varlen):  # (kv heads, dim, keys): every sequence's region (qattn.quant.v_fp8)
-                sk_pad = ((seqlen_k + vt_layout.VT_ALIGN - 1) // vt_layout.VT_ALIGN * vt_layout.VT_ALIGN
-                          + vt_layout.VT_SEQ_GAP * num_seqs)
+                sk_pad = vt_layout.varlen_vt_offset(seqlen_k, num_seqs)
             mV = cute.make_tensor(cute.make_ptr(Float8E4M3FN, v_addr, gmem, assumed_align=16),
                                   cute.make_layout((D, sk_pad, num_kv_heads, batch),
                                                    stride=(sk_pad, 1, D * sk_pad, num_kv_heads * D * sk_pad)))
@@ -539,8 +538,7 @@ class QKInt8PrefillSm90:
                     k_rows = cute.domain_offset((k_start, 0), k_rows)
                     v_start = k_start
                     if cutlass.const_expr(self.fp8):  # the sequence's V^T region (qattn.quant.v_fp8)
-                        v_start = ((k_start + vt_layout.VT_ALIGN - 1) // vt_layout.VT_ALIGN * vt_layout.VT_ALIGN
-                                   + vt_layout.VT_SEQ_GAP * b)
+                        v_start = vt_layout.varlen_vt_offset(k_start, b)
                     v_cols = cute.domain_offset((0, v_start), v_cols)
                 gQ = cute.local_tile(q_rows, (TM, D), (m_block, 0))
                 gK = cute.local_tile(k_rows, (TN, D), (None, 0))

@@ -222,8 +222,7 @@ class VFp8TransposeQuant:
         vt_bh, vt_off = bh, Int64(0)
         if cutlass.const_expr(self.varlen):
             vt_bh = Int64(head)
-            A = vt_layout.VT_ALIGN
-            vt_off = Int64((start + A - 1) // A * A) + Int64(b) * Int64(vt_layout.VT_SEQ_GAP)
+            vt_off = Int64(vt_layout.varlen_vt_offset(start, b))
         # varlen grids are sized for the longest sequence: a tile past this one's end stores nothing (tile 0
         # always runs: it writes the scales, and for an empty sequence one zero tile inside its gap)
         stores = (row0 < seqlen) | (tile == 0)
