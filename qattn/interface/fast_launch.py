@@ -35,6 +35,32 @@ def _ctype_of(annotation) -> type:
     return table[annotation]
 
 
+def _is_stream(annotation) -> bool:
+    import cuda.bindings.driver as cuda
+
+    return annotation is cuda.CUstream
+
+
+# launch plans being recorded (``launch_plan._Recorder``), by thread: FastLaunch reports that thread's calls
+_recorders: dict = {}
+
+
+def set_recorder(recorder) -> None:
+    """Report this thread's launches to ``recorder`` (None: stop)."""
+    if recorder is None:
+        _recorders.pop(threading.get_ident(), None)
+    else:
+        _recorders[threading.get_ident()] = recorder
+
+
+def report_launch(launcher, values: tuple) -> None:
+    """Tell this thread's recorder, if any, that ``launcher`` (``_ctypes``, ``_stream_slots``) is called with
+    ``values``."""
+    rec = _recorders.get(threading.get_ident())
+    if rec is not None:
+        rec.launch(launcher, values)
+
+
 # one 8-byte little-endian slot per argument: the C ABI reads an int32 / float from the slot's first bytes
 _SLOT_FORMAT = {ctypes.c_int64: "q", ctypes.c_int32: "i4x", ctypes.c_float: "f4x", ctypes.c_void_p: "Q"}
 _pack_into = struct.pack_into
@@ -51,7 +77,9 @@ class FastLaunch:
 
     def __init__(self, fn: Any):
         self._fn = fn
-        self._ctypes = [_ctype_of(p.annotation) for p in fn.execution_args.signature.parameters.values()]
+        params = list(fn.execution_args.signature.parameters.values())
+        self._ctypes = [_ctype_of(p.annotation) for p in params]
+        self._stream_slots = frozenset(i for i, p in enumerate(params) if _is_stream(p.annotation))
         self._format = "<" + "".join(_SLOT_FORMAT[t] for t in self._ctypes)
         self._executor = None
         self._lock = threading.Lock()
@@ -87,6 +115,8 @@ class FastLaunch:
             _pack_into(self._format, buf, 0, *values)
         except struct.error as e:
             raise TypeError(f"FastLaunch: {e} (arguments {values})") from None
+        if _recorders:  # a launch plan is being recorded (launch_plan.py)
+            report_launch(self, values)
         capi(packed)
         if result is not None and result.value != 0:
             from cutlass.base_dsl.jit_executor import cuda_helpers

@@ -1,0 +1,336 @@
+"""Launch plans: an eager call's launch sequence, recorded once per call signature and replayed.
+
+An eager ``flash_attn_func`` call spends most of its host time in Python (validation, kernel lookups, grid and
+chunk arithmetic, four to six ``torch.empty``): H100 machine, B1 S128 H2 D128, 135 µs per call with int8 Q K^T
+(two launches) and 274 µs with FP8 P x V (four), while the GPU needs 12 / 15 µs; at B2 S2K H16 causal the call
+is host-bound (147 µs per call against 88 µs of GPU time). Everything that work decides is fixed by the call's
+signature (shapes, strides, dtypes, device, pointer alignment, the options), never by tensor values (the entry
+points never read the device on the host). So the second time a signature comes, the call runs once more the
+normal way under a recorder, which notes:
+
+* every buffer the call allocates (``torch.empty`` and friends, seen by a ``TorchDispatchMode``) and every
+  ``zero_`` / ``fill_`` of one;
+* every kernel launch through :class:`~qattn.interface.fast_launch.FastLaunch`, argument by argument: an address
+  inside an input or a buffer becomes a reference (input i / buffer j plus an offset), the stream argument the
+  current stream, everything else a constant.
+
+Later calls of that signature replay the plan: one workspace allocation for the intermediate buffers, one per
+returned tensor (and per buffer that is filled), the launches with the new addresses, same order, same stream,
+same arguments otherwise, hence the same bytes. Anything the recorder cannot map makes the signature
+"unplanned" (the normal path for good): a launch argument that looks like an address (>= 2^32) but lies in no
+input or buffer, an input copied (misaligned views), any other tensor operation with a device result, a
+returned tensor that is not a whole buffer, addresses below 2^32. Signatures seen once are not recorded (a
+workload whose shapes never repeat pays a dictionary lookup, not a recording); at most ``MAX_PLANS`` plans are
+kept (least recently used dropped). ``QATTN_LAUNCH_PLANS=0`` turns plans off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import fast_launch
+from .fast_launch import on_device, stream_handle
+
+__all__ = ["LaunchPlan", "Planner", "plans_enabled", "MAX_PLANS"]
+
+MAX_PLANS = 256
+_ALIGN = 256  # workspace sub-buffers start at multiples of this (torch's own allocations are 512-aligned)
+_MIN_ADDRESS = 2**32  # device addresses are above this; launch scalars (sizes, strides) below
+_FACTORIES = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", "aten::full", "aten::empty_like",
+              "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::new_empty", "aten::new_zeros",
+              "aten::new_full", "aten::new_empty_strided"}
+_FILL_VALUE = {"aten::zeros": 0, "aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones": 1, "aten::ones_like": 1}
+_FILLS = {"aten::zero_", "aten::fill_"}
+
+
+def plans_enabled() -> bool:
+    return os.environ.get("QATTN_LAUNCH_PLANS", "1") != "0"
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a replay allocates comes from here (tests may replace it with one that poisons memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s data pointer to the end of its last element."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+class _Buffer:
+    __slots__ = ("ptr", "nbytes", "shape", "dtype", "stride", "fill", "returned", "offset")
+
+    def __init__(self, t: torch.Tensor, fill):
+        self.ptr, self.nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+        self.shape, self.dtype, self.stride = tuple(t.shape), t.dtype, t.stride()
+        self.fill = fill  # None, or the value it is filled with where it is allocated
+        self.returned = None  # index in the call's returned tensors
+        self.offset = None  # in the workspace
+
+
+class _Recorder(TorchDispatchMode):
+    """Records one call (see the module docstring); ``bad`` says why it cannot be a plan."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor], device: torch.device):
+        super().__init__()
+        self.inputs = [(t.data_ptr(), _extent(t)) for t in inputs]
+        self.device = device
+        self.buffers: list[_Buffer] = []
+        self.events: list[tuple] = []  # ("alloc", j) | ("fill", j, value) | ("launch", launcher, template, subs)
+        self.bad: Optional[str] = None
+        if any(p and p < _MIN_ADDRESS for p, _ in self.inputs):
+            self.bad = "an input address below 2^32"
+
+    # ---- tensor operations
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.bad is None:
+            self._note(func, args, out)
+        return out
+
+    def _note(self, func, args, out) -> None:
+        schema = func._schema
+        name = schema.name
+        if name in _FACTORIES:
+            if not isinstance(out, torch.Tensor) or out.device.type != self.device.type:
+                return  # host tensors: no device work
+            if out.storage_offset() or out.data_ptr() < _MIN_ADDRESS:
+                self.bad = f"{name}: an unexpected allocation"
+                return
+            fill = _FILL_VALUE.get(name)
+            if name in ("aten::full", "aten::full_like"):
+                fill = args[1]
+            elif name == "aten::new_full":
+                fill = args[2]
+            self.buffers.append(_Buffer(out, fill))
+            self.events.append(("alloc", len(self.buffers) - 1))
+            return
+        if name in _FILLS:
+            target = args[0]
+            j = self._whole_buffer(target)
+            if j is None:
+                self.bad = f"{name} of a tensor that is not a whole buffer of the call"
+                return
+            value = 0 if name == "aten::zero_" else args[1]
+            if isinstance(value, torch.Tensor):
+                self.bad = f"{name} with a tensor value"
+                return
+            self.events.append(("fill", j, value))
+            return
+        if schema.is_mutable:
+            self.bad = f"{name}: an in-place operation"
+            return
+        if schema.returns and all(r.alias_info is not None for r in schema.returns):
+            return  # views: no device work
+        # anything else that touches device tensors: computes, copies, or reads values on the host (item())
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        touched = list(results) + list(args) + [a for a in args if isinstance(a, (tuple, list)) for a in a]
+        if any(isinstance(t, torch.Tensor) and t.device.type == self.device.type for t in touched):
+            self.bad = f"{name}: device work other than the recorded launches"
+
+    def _whole_buffer(self, t) -> Optional[int]:
+        if not isinstance(t, torch.Tensor):
+            return None
+        for j in range(len(self.buffers) - 1, -1, -1):
+            b = self.buffers[j]
+            if b.ptr == t.data_ptr():
+                return j if t.is_contiguous() and t.numel() * t.element_size() == b.nbytes else None
+        return None
+
+    # ---- kernel launches (FastLaunch.__call__)
+    def launch(self, launcher, values: tuple) -> None:
+        if self.bad is not None:
+            return
+        subs = []
+        for i, (ctype, v) in enumerate(zip(launcher._ctypes, values)):
+            if i in launcher._stream_slots or ctype not in (ctypes.c_int64, ctypes.c_void_p):
+                continue
+            if not isinstance(v, float) and int(v) >= _MIN_ADDRESS:
+                ref = self._resolve(int(v))
+                if ref is None:
+                    self.bad = f"launch argument {i}: an address outside the inputs and the call's buffers"
+                    return
+                subs.append((i, *ref))
+        self.events.append(("launch", launcher, list(values), tuple(subs), tuple(launcher._stream_slots)))
+
+    def _resolve(self, v: int):
+        for i, (p, _) in enumerate(self.inputs):
+            if v == p:
+                return (0, i, 0)
+        for j in range(len(self.buffers) - 1, -1, -1):  # the newest covering buffer is the live one
+            b = self.buffers[j]
+            if b.ptr <= v < b.ptr + max(b.nbytes, 1):
+                return (1, j, v - b.ptr)
+        hits = [(i, v - p) for i, (p, n) in enumerate(self.inputs) if p <= v < p + n]
+        return (0, *hits[0]) if len(hits) == 1 else None
+
+    # ---- the plan
+    def plan(self, returned: Sequence[torch.Tensor]) -> Optional["LaunchPlan"]:
+        if self.bad is not None:
+            return None
+        for r, t in enumerate(returned):
+            j = None
+            for jj in range(len(self.buffers) - 1, -1, -1):
+                if self.buffers[jj].ptr == t.data_ptr():
+                    j = jj
+                    break
+            b = None if j is None else self.buffers[j]
+            if (b is None or b.returned is not None or tuple(t.shape) != b.shape or t.dtype != b.dtype
+                    or t.stride() != b.stride):
+                self.bad = "a returned tensor that is not a whole buffer of the call"
+                return None
+            b.returned = r
+        filled = {e[1] for e in self.events if e[0] == "fill"}
+        size = 0
+        for j, b in enumerate(self.buffers):
+            if b.returned is None and b.fill is None and j not in filled:
+                b.offset = size
+                size += -(-max(b.nbytes, 1) // _ALIGN) * _ALIGN
+        return LaunchPlan(self.device, self.buffers, self.events, size, len(returned))
+
+
+class LaunchPlan:
+    """A recorded call (module docstring): :meth:`run` replays it on new inputs of the same signature."""
+
+    def __init__(self, device: torch.device, buffers: list, events: list, workspace_bytes: int, num_returned: int):
+        self.device = device
+        self.workspace_bytes = workspace_bytes
+        self.num_returned = num_returned
+        # buffers: (workspace offset or None, shape, dtype, stride, fill); returned: buffer index per output
+        self.buffers = [(b.offset, b.shape, b.dtype, b.stride, b.fill) for b in buffers]
+        self.returned = [None] * num_returned
+        for j, b in enumerate(buffers):
+            if b.returned is not None:
+                self.returned[b.returned] = j
+        self.steps = []  # ("fill", j, value) | ("launch", launcher, template, subs, stream slots)
+        for e in events:
+            if e[0] == "fill":
+                self.steps.append(e)
+            elif e[0] == "launch":
+                self.steps.append(e)
+        self.num_launches = sum(1 for e in self.steps if e[0] == "launch")
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        dev = self.device
+        in_ptrs = [t.data_ptr() for t in inputs]
+        ws = _empty((self.workspace_bytes,), torch.uint8, dev) if self.workspace_bytes else None
+        base = ws.data_ptr() if ws is not None else 0
+        tensors = []
+        ptrs = []
+        for off, shape, dtype, stride, fill in self.buffers:
+            if off is not None:
+                tensors.append(None)
+                ptrs.append(base + off)
+                continue
+            t = _empty(shape, dtype, dev) if stride == _contiguous_stride(shape) else \
+                torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+            if fill is not None:
+                t.fill_(fill)
+            tensors.append(t)
+            ptrs.append(t.data_ptr())
+        table = (in_ptrs, ptrs)
+        cuda = dev.type == "cuda"  # (the CPU serves the mechanism's tests)
+        with on_device(dev) if cuda else _NO_CONTEXT:
+            stream = stream_handle(dev) if cuda else 0
+            for step in self.steps:
+                if step[0] == "launch":
+                    _, launcher, template, subs, stream_slots = step
+                    values = template.copy()
+                    for i, kind, j, off in subs:
+                        values[i] = table[kind][j] + off
+                    for i in stream_slots:
+                        values[i] = stream
+                    launcher(*values)
+                else:
+                    _, j, value = step
+                    tensors[j].fill_(value)
+        return tuple(tensors[j] for j in self.returned)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+_UNPLANNED = object()
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class Planner:
+    """Plans of one entry point, by call signature (module docstring)."""
+
+    def __init__(self, max_plans: int = MAX_PLANS):
+        self.max_plans = max_plans
+        self._plans: OrderedDict = OrderedDict()  # key -> LaunchPlan | _UNPLANNED
+        self._seen: OrderedDict = OrderedDict()  # keys seen once
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.recorded = 0
+        self.unplanned: dict = {}  # key -> why (for tests and debugging)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self._seen.clear()
+            self.unplanned.clear()
+            self.hits = self.recorded = 0
+
+    def __len__(self) -> int:
+        return sum(1 for p in self._plans.values() if p is not _UNPLANNED)
+
+    def call(self, key, inputs: Sequence[torch.Tensor], device: torch.device, slow: Callable[[], tuple]) -> tuple:
+        """``slow()`` (the normal path, returning a tuple of tensors) or the replay of its plan for ``key``."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            if plan is _UNPLANNED:
+                return slow()
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile: the plan object is still good
+                pass
+            self.hits += 1
+            return plan.run(inputs)
+        with self._lock:
+            first = key not in self._seen
+            if first:
+                self._seen[key] = True
+                if len(self._seen) > 4 * self.max_plans:
+                    self._seen.popitem(last=False)
+        if first:
+            return slow()
+        return self._record(key, inputs, device, slow)
+
+    def _record(self, key, inputs, device, slow) -> tuple:
+        rec = _Recorder(inputs, device)
+        fast_launch.set_recorder(rec)
+        try:
+            with rec:
+                result = slow()
+        finally:
+            fast_launch.set_recorder(None)
+        plan = rec.plan(result)
+        with self._lock:
+            self._seen.pop(key, None)
+            if plan is None:
+                self.unplanned[key] = rec.bad
+                self._plans[key] = _UNPLANNED
+            else:
+                self.recorded += 1
+                self._plans[key] = plan
+            while len(self._plans) > self.max_plans:
+                old, _ = self._plans.popitem(last=False)
+                self.unplanned.pop(old, None)
+        return result

@@ -1,0 +1,184 @@
+"""GPU: launch plans (``qattn.interface.launch_plan``). A signature's third and later ``flash_attn_func`` /
+``flash_attn_varlen_func`` calls replay the launches recorded at its second; they must give the bits the normal
+path gives on the same inputs, whatever the inputs' data (and varlen ``cu_seqlens`` contents), with the replay's
+buffers poisoned, inside a CUDA graph and on another stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.launch_plans,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEFAULTS = dict(causal=False, softmax_scale=None, qk_quant="int8", granularity="per_warp", smooth_k=True,
+                pv_dtype="bf16", balance_qk=False, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False)
+
+
+@pytest.fixture
+def poison_replays(monkeypatch):
+    from qattn.interface import launch_plan
+
+    def empty(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if dtype in (torch.uint8, torch.int8, torch.int32):
+            return t.fill_(-1 if dtype != torch.uint8 else 0xFF)
+        return t.fill_(float("nan"))
+
+    monkeypatch.setattr(launch_plan, "_empty", empty)
+
+
+def _qkv(B, S, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, device="cuda", generator=g).to(dtype)
+    k = (torch.randn(B, S, Hkv, D, device="cuda", generator=g) * 2 + 1).to(dtype)
+    v = torch.randn(B, S, Hkv, D, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def _normal_path(q, k, v, **kw):
+    from qattn.interface.prefill import _flash_attn_func
+
+    opts = {**DEFAULTS, **kw}
+    return _flash_attn_func(q, k, v, *(opts[n] for n in DEFAULTS))
+
+
+DENSE = [
+    ("int8", (2, 1000, 4, 4, 128), {}),
+    ("int8 causal GQA", (2, 1000, 4, 2, 128), {"causal": True}),
+    ("fp8 D64", (2, 700, 4, 4, 64), {"pv_dtype": "fp8"}),
+    ("fp8 causal", (1, 3000, 2, 1, 128), {"pv_dtype": "fp8", "causal": True}),
+    ("16-bit QK", (2, 500, 4, 4, 128), {"qk_quant": None}),
+    ("per_block", (2, 600, 4, 4, 128), {"granularity": "per_block"}),
+    ("balance", (2, 600, 4, 2, 128), {"balance_qk": True}),
+    ("window", (2, 2000, 4, 4, 128), {"window_size": (300, 0)}),
+    ("split tail", (1, 4096, 3, 3, 128), {}),  # a partial wave split over keys: zeroed counters in the plan
+    ("long causal", (1, 4096, 2, 2, 128), {"causal": True, "softmax_scale": 0.1}),
+    ("fp16 no smoothing", (2, 333, 4, 4, 64), {"smooth_k": False}),
+]
+
+
+@pytest.mark.parametrize("name,shape,kw", DENSE, ids=[c[0] for c in DENSE])
+def test_dense_replay_equals_normal_path(poison_replays, name, shape, kw):
+    import qattn
+    from qattn.interface import prefill
+
+    dtype = torch.float16 if "fp16" in name else torch.bfloat16
+    for call in range(4):  # 1: normal, 2: recorded, 3 and 4: replayed; new data every call
+        q, k, v = _qkv(*shape, dtype=dtype, seed=call)
+        out, lse = qattn.flash_attn_func(q, k, v, return_lse=True, **kw)
+        ref, ref_lse = _normal_path(q, k, v, **kw)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse), f"call {call}"
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert len(prefill._DENSE_PLANS) == 1 and prefill._DENSE_PLANS.hits == 2, prefill._DENSE_PLANS.unplanned
+
+
+VARLEN = [("int8", {}), ("fp8 causal", {"causal": True, "pv_dtype": "fp8"}), ("16-bit QK", {"qk_quant": None}),
+          ("per_block causal", {"granularity": "per_block", "causal": True})]
+
+
+@pytest.mark.parametrize("name,kw", VARLEN, ids=[c[0] for c in VARLEN])
+def test_varlen_replay_follows_cu_seqlens_contents(poison_replays, name, kw):
+    """Same totals, count and maxima, different sequence boundaries every call: read on the device only."""
+    import qattn
+    from qattn.interface import prefill
+
+    bounds = [[0, 100, 900, 1000, 2500], [0, 1500, 1500, 2000, 2500], [0, 1, 2, 1002, 2500], [0, 700, 1400, 2100, 2500]]
+    opts = {**DEFAULTS, **kw}
+    for call, b in enumerate(bounds):
+        g = torch.Generator(device="cuda").manual_seed(call)
+        q = torch.randn(2500, 8, 128, device="cuda", generator=g).bfloat16()
+        k = torch.randn(2500, 4, 128, device="cuda", generator=g).bfloat16()
+        v = torch.randn(2500, 4, 128, device="cuda", generator=g).bfloat16()
+        cu = torch.tensor(b, device="cuda", dtype=torch.int32)
+        cu_k = cu.clone()
+        out, lse = qattn.flash_attn_varlen_func(q, k, v, cu, cu_k, 1500, 1500, return_lse=True, **kw)
+        ref, ref_lse = prefill._flash_attn_varlen_func(q, k, v, cu, cu_k, 1500, 1500, *(opts[n] for n in DEFAULTS))
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse), f"call {call}"
+    assert len(prefill._VARLEN_PLANS) == 1 and prefill._VARLEN_PLANS.hits == 2, prefill._VARLEN_PLANS.unplanned
+
+
+def test_packed_qkv_views_and_aliased_inputs():
+    import qattn
+    from qattn.interface import prefill
+
+    qkv = torch.empty(2, 1024, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for call in range(4):
+        qkv.normal_()
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        assert torch.equal(qattn.flash_attn_func(q, k, v, causal=True), _normal_path(q, k, v, causal=True)[0])
+    # q is k is v: another signature (which inputs share an address is part of it), then distinct tensors of the
+    # same shapes must not replay the aliased plan
+    x = torch.randn(2, 512, 4, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(qattn.flash_attn_func(x, x, x), _normal_path(x, x, x)[0])
+    for call in range(3):
+        q, k, v = _qkv(2, 512, 4, 4, 128, seed=call)
+        assert torch.equal(qattn.flash_attn_func(q, k, v), _normal_path(q, k, v)[0])
+    assert len(prefill._DENSE_PLANS) == 3
+
+
+def test_misaligned_inputs_stay_on_the_normal_path():
+    """An input the kernels cannot read in place is copied first: no plan, the same bits every call."""
+    import qattn
+    from qattn.interface import prefill
+
+    base = torch.randn(2 * 256 * 4 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    q = base[1:].view(2, 256, 4, 128)  # 2-byte aligned
+    _, k, v = _qkv(2, 256, 4, 4, 128)
+    ref = _normal_path(q, k, v)[0]
+    for _ in range(4):
+        assert torch.equal(qattn.flash_attn_func(q, k, v), ref)
+    assert len(prefill._DENSE_PLANS) == 0 and prefill._DENSE_PLANS.hits == 0
+    assert "device work" in next(iter(prefill._DENSE_PLANS.unplanned.values()))
+
+
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+def test_replay_in_a_cuda_graph_and_on_a_side_stream(pv_dtype):
+    import qattn
+
+    q, k, v = _qkv(2, 1000, 4, 2, 128, seed=7)
+    ref = _normal_path(q, k, v, causal=True, pv_dtype=pv_dtype)[0]
+    for _ in range(3):  # the plan exists from here on
+        qattn.flash_attn_func(q, k, v, causal=True, pv_dtype=pv_dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out_side = qattn.flash_attn_func(q, k, v, causal=True, pv_dtype=pv_dtype)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out_side, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = qattn.flash_attn_func(q, k, v, causal=True, pv_dtype=pv_dtype)
+    q.copy_(_qkv(2, 1000, 4, 2, 128, seed=8)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_graph, _normal_path(q, k, v, causal=True, pv_dtype=pv_dtype)[0])
+
+
+def test_failing_calls_are_not_recorded():
+    import qattn
+    from qattn.interface import prefill
+
+    q, k, v = _qkv(1, 128, 2, 2, 128)
+    for _ in range(3):
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            qattn.flash_attn_func(q, k, v, dropout_p=0.1)
+        with pytest.raises(ValueError, match="granularity"):
+            qattn.flash_attn_func(q, k, v, granularity="per_thread")
+    assert len(prefill._DENSE_PLANS) == 0
+
+
+def test_plans_off_switch():
+    import qattn
+    from qattn.interface import prefill
+
+    prefill._PLANS_ON[0] = False
+    q, k, v = _qkv(1, 256, 2, 2, 128)
+    for _ in range(3):
+        qattn.flash_attn_func(q, k, v)
+    assert len(prefill._DENSE_PLANS) == 0 and prefill._DENSE_PLANS.hits == 0
