@@ -20,14 +20,12 @@ def _launch_plans(request):
     monkeypatch the launch decisions between calls would replay another test's (or their own earlier) choices,
     so plans are off and empty in every test but those marked ``launch_plans`` (which check replay == the
     normal path)."""
-    from qattn.interface import prefill
+    from qattn.interface import launch_plan
 
-    on = request.node.get_closest_marker("launch_plans") is not None
-    saved = prefill._PLANS_ON[0]
-    prefill._PLANS_ON[0] = on
-    prefill._DENSE_PLANS.clear()
-    prefill._VARLEN_PLANS.clear()
+    saved = launch_plan.set_enabled(request.node.get_closest_marker("launch_plans") is not None)
+    for p in launch_plan.PLANNERS:
+        p.clear()
     yield
-    prefill._PLANS_ON[0] = saved
-    prefill._DENSE_PLANS.clear()
-    prefill._VARLEN_PLANS.clear()
+    launch_plan.set_enabled(saved)
+    for p in launch_plan.PLANNERS:
+        p.clear()

@@ -17,6 +17,7 @@ from ..layouts.paged import PagedKVCache
 from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
+from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .variants import cache_for, kernel_arch
 from .window import resolve_window, window_ints
 
@@ -302,13 +303,35 @@ def flash_attn_with_kvcache(
         res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
                                   return_lse, out, seq_slots=seq_slots, window_size=window_ints(window_size))
     else:
-        res = _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
-                                             softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                             return_lse=return_lse, out=out, window_size=window_size)
+        res = _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softmax_scale, causal, num_splits,
+                             return_lse, out, window_size)
     if rot is None:
         return res
     o, lse = res if return_lse else (res, None)
     o = unrotate_output_dense(o, rot, final_out)
+    return (o, lse) if return_lse else o
+
+
+_DECODE_PLANS = Planner()
+
+
+def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softmax_scale, causal, num_splits,
+                   return_lse, out, window_size):
+    """The eager call, through the launch plan of its signature when there is one (``launch_plan``: the layer is
+    not part of the signature, its tensors are plan inputs)."""
+    key = None
+    if isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers:
+        tensors = (q, cache_seqlens, block_table, seq_slots, out)
+        key = signature_key(tensors, (cache_signature(cache), softmax_scale, causal, num_splits, window_size))
+    if key is None:
+        return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
+                                              softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                              return_lse=return_lse, out=out, window_size=window_size)
+    o, lse = _DECODE_PLANS.call(
+        key, tensors + layer_tensors(cache.layer(layer)), q.device,
+        lambda: _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
+                                               softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                               return_lse=True, out=out, window_size=window_size))
     return (o, lse) if return_lse else o
 
 

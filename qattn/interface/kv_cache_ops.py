@@ -13,6 +13,7 @@ import torch
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import RoPE
 from .fast_launch import contiguous16, kernel_view, on_device
+from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .torch_ops import write_kv_traced  # registers the custom ops
 
 __all__ = ["write_kv", "flatten_kv", "inspect_kv"]
@@ -280,8 +281,22 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
              seq_slots: torch.Tensor | None = None, check: bool = False) -> None:
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         return write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
-    return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
-                           k_mean=k_mean, check=check)
+    key = None
+    if not check and isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers and (
+            rope is None or isinstance(rope, RoPE)):
+        tensors = (k, v, slot_mapping, seq_slots, positions, k_mean, None if rope is None else rope.cos_sin_cache)
+        key = signature_key(tensors, (cache_signature(cache), None if rope is None else rope.style))
+    if key is None:
+        return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
+                               k_mean=k_mean, check=check)
+    # the launch plan of this signature (launch_plan: the layer's tensors and the rotation signs are inputs)
+    inputs = tensors + layer_tensors(cache.layer(layer)) + (cache.rotation_signs,)
+    _INSERT_PLANS.call(key, inputs, cache.device,
+                       lambda: _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots,
+                                               positions=positions, rope=rope, k_mean=k_mean) or ())
+
+
+_INSERT_PLANS = Planner()
 
 
 write_kv.__doc__ = _write_kv_eager.__doc__

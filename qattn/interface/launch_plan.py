@@ -1,4 +1,5 @@
-"""Launch plans: an eager call's launch sequence, recorded once per call signature and replayed.
+"""Launch plans: an eager call's launch sequence, recorded once per call signature and replayed
+(``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``, ``write_kv``).
 
 An eager ``flash_attn_func`` call spends most of its host time in Python (validation, kernel lookups, grid and
 chunk arithmetic, four to six ``torch.empty``): H100 machine, B1 S128 H2 D128, 135 µs per call with int8 Q K^T
@@ -18,8 +19,9 @@ Later calls of that signature replay the plan: one workspace allocation for the 
 returned tensor (and per buffer that is filled), the launches with the new addresses, same order, same stream,
 same arguments otherwise, hence the same bytes. Anything the recorder cannot map makes the signature
 "unplanned" (the normal path for good): a launch argument that looks like an address (>= 2^32) but lies in no
-input or buffer, an input copied (misaligned views), any other tensor operation with a device result, a
-returned tensor that is not a whole buffer, addresses below 2^32. Signatures seen once are not recorded (a
+input or buffer, an input copied (misaligned views), any other tensor operation on device tensors (computes,
+copies, host reads such as ``item()``), a returned tensor that is neither a whole buffer nor an input (the
+caller's ``out``), addresses below 2^32. Signatures seen once are not recorded (a
 workload whose shapes never repeat pays a dictionary lookup, not a recording); at most ``MAX_PLANS`` plans are
 kept (least recently used dropped). ``QATTN_LAUNCH_PLANS=0`` turns plans off.
 """
@@ -39,10 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import fast_launch
 from .fast_launch import on_device, stream_handle
 
-__all__ = ["LaunchPlan", "Planner", "plans_enabled", "MAX_PLANS"]
+__all__ = ["LaunchPlan", "Planner", "plans_enabled", "signature_key", "set_enabled", "cache_signature", "layer_tensors", "MAX_PLANS", "PLANNERS"]
 
 MAX_PLANS = 256
-_ALIGN = 256  # workspace sub-buffers start at multiples of this (torch's own allocations are 512-aligned)
+_ALIGN = 512  # workspace sub-buffers start (and are rounded) like torch caching-allocator blocks
 _MIN_ADDRESS = 2**32  # device addresses are above this; launch scalars (sizes, strides) below
 _FACTORIES = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", "aten::full", "aten::empty_like",
               "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::new_empty", "aten::new_zeros",
@@ -83,7 +85,8 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, inputs: Sequence[torch.Tensor], device: torch.device):
         super().__init__()
-        self.inputs = [(t.data_ptr(), _extent(t)) for t in inputs]
+        self.inputs = [(0, 0) if t is None else (t.data_ptr(), _extent(t)) for t in inputs]
+        self.input_meta = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in inputs]
         self.device = device
         self.buffers: list[_Buffer] = []
         self.events: list[tuple] = []  # ("alloc", j) | ("fill", j, value) | ("launch", launcher, template, subs)
@@ -178,7 +181,12 @@ class _Recorder(TorchDispatchMode):
     def plan(self, returned: Sequence[torch.Tensor]) -> Optional["LaunchPlan"]:
         if self.bad is not None:
             return None
+        self.returned_inputs = {}
         for r, t in enumerate(returned):
+            meta = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if meta in self.input_meta:  # e.g. the caller's ``out``
+                self.returned_inputs[r] = self.input_meta.index(meta)
+                continue
             j = None
             for jj in range(len(self.buffers) - 1, -1, -1):
                 if self.buffers[jj].ptr == t.data_ptr():
@@ -196,22 +204,25 @@ class _Recorder(TorchDispatchMode):
             if b.returned is None and b.fill is None and j not in filled:
                 b.offset = size
                 size += -(-max(b.nbytes, 1) // _ALIGN) * _ALIGN
-        return LaunchPlan(self.device, self.buffers, self.events, size, len(returned))
+        return LaunchPlan(self.device, self.buffers, self.events, size, len(returned), self.returned_inputs)
 
 
 class LaunchPlan:
     """A recorded call (module docstring): :meth:`run` replays it on new inputs of the same signature."""
 
-    def __init__(self, device: torch.device, buffers: list, events: list, workspace_bytes: int, num_returned: int):
+    def __init__(self, device: torch.device, buffers: list, events: list, workspace_bytes: int, num_returned: int,
+                 returned_inputs: Optional[dict] = None):
         self.device = device
         self.workspace_bytes = workspace_bytes
         self.num_returned = num_returned
         # buffers: (workspace offset or None, shape, dtype, stride, fill); returned: buffer index per output
         self.buffers = [(b.offset, b.shape, b.dtype, b.stride, b.fill) for b in buffers]
-        self.returned = [None] * num_returned
+        self.returned = [None] * num_returned  # (0, input index) or (1, buffer index) per returned tensor
         for j, b in enumerate(buffers):
             if b.returned is not None:
-                self.returned[b.returned] = j
+                self.returned[b.returned] = (1, j)
+        for r, i in (returned_inputs or {}).items():
+            self.returned[r] = (0, i)
         self.steps = []  # ("fill", j, value) | ("launch", launcher, template, subs, stream slots)
         for e in events:
             if e[0] == "fill":
@@ -222,7 +233,7 @@ class LaunchPlan:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
         dev = self.device
-        in_ptrs = [t.data_ptr() for t in inputs]
+        in_ptrs = [0 if t is None else t.data_ptr() for t in inputs]
         ws = _empty((self.workspace_bytes,), torch.uint8, dev) if self.workspace_bytes else None
         base = ws.data_ptr() if ws is not None else 0
         tensors = []
@@ -254,7 +265,7 @@ class LaunchPlan:
                 else:
                     _, j, value = step
                     tensors[j].fill_(value)
-        return tuple(tensors[j] for j in self.returned)
+        return tuple(tensors[j] if kind else inputs[j] for kind, j in self.returned)
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -265,6 +276,75 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def signature_key(tensors: Sequence[Optional[torch.Tensor]], options: tuple) -> Optional[tuple]:
+    """The call signature of an entry point whose host work depends on nothing else (module docstring): per
+    tensor its shape, strides, dtype and address modulo 256 (None stays None), which tensors share an address,
+    the device and ``options`` (every other argument, hashable); None when plans do not apply (off, torch.compile
+    tracing, a non-CUDA or subclassed tensor, an unhashable option, a device other than SM90)."""
+    if not _ENABLED[0] or torch.compiler.is_compiling():
+        return None
+    parts = []
+    ptrs = []
+    dev = None
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+            continue
+        if type(t) is not torch.Tensor or not t.is_cuda:
+            return None
+        p = t.data_ptr()
+        ptrs.append(p)
+        parts.append((t.shape, t.stride(), t.dtype, p & 255))
+        dev = dev or t.device
+    if dev is None or not _sm90(dev):
+        return None
+    alias = tuple((i, j) for i in range(len(ptrs)) for j in range(i) if ptrs[i] == ptrs[j])
+    key = (dev, tuple(parts), alias, options)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn plans on or off for the process (``QATTN_LAUNCH_PLANS`` sets the start); returns the old setting."""
+    old, _ENABLED[0] = _ENABLED[0], bool(on)
+    return old
+
+
+def cache_signature(cache) -> tuple:
+    """What a :class:`~qattn.layouts.PagedKVCache`'s geometry contributes to a call signature (every field the
+    decode and insert entry points read besides the layer's tensors, which are plan inputs); kept on the
+    cache (its geometry is fixed at construction)."""
+    sig = cache.__dict__.get("_plan_signature")
+    if sig is None:
+        sig = cache.__dict__["_plan_signature"] = (
+            cache.k_format, cache.v_format, cache.num_layers, cache.num_blocks, cache.page_size, cache.num_kv_heads,
+            cache.head_dim, cache.dtype, cache.recent_window, cache.sink_tokens, cache.max_seqs, cache.rotate,
+            cache.device)
+    return sig
+
+
+def layer_tensors(lay) -> tuple:
+    """A :class:`~qattn.layouts.KVLayer`'s ten tensors (None where absent), in field order: plan inputs."""
+    return (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_global_scale, lay.v_global_scale,
+            lay.k_ring, lay.v_ring, lay.k_sink, lay.v_sink)
+
+
+def _sm90(dev: torch.device) -> bool:
+    ok = _SM90.get(dev)
+    if ok is None:
+        from .variants import device_capability
+
+        ok = _SM90[dev] = tuple(device_capability(dev)) == (9, 0)
+    return ok
+
+
+_SM90: dict = {}
+PLANNERS: list = []  # every entry point's Planner (tests clear them)
+# plans on / off for the whole process (QATTN_LAUNCH_PLANS; tests flip it)
+_ENABLED = [plans_enabled()]
 _UNPLANNED = object()
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -273,6 +353,7 @@ class Planner:
     """Plans of one entry point, by call signature (module docstring)."""
 
     def __init__(self, max_plans: int = MAX_PLANS):
+        PLANNERS.append(self)
         self.max_plans = max_plans
         self._plans: OrderedDict = OrderedDict()  # key -> LaunchPlan | _UNPLANNED
         self._seen: OrderedDict = OrderedDict()  # keys seen once

@@ -22,7 +22,7 @@ import torch
 from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LONG_CAUSAL_KEYS, WARP_Q, PrefillConfig,
                                                lpt_group, seqlen_tile_m, split_tail_plan)
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
-from .launch_plan import Planner, plans_enabled
+from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
 from .window import FULL, Window, resolve_window, window_ints as _window_ints
 
@@ -473,42 +473,7 @@ _VARLEN_PLANS = Planner()
 
 
 def _plan_key(tensors: tuple, options: tuple) -> Optional[tuple]:
-    """The call signature that fixes everything the entry point does on the host (module ``launch_plan``):
-    per tensor its shape, strides, dtype and address modulo 256, which tensors share an address, the device and
-    every other argument; None when plans do not apply (off, torch.compile tracing, a non-CUDA or non-tensor
-    input, an unhashable argument, a device other than SM90)."""
-    if not _PLANS_ON[0] or torch.compiler.is_compiling():
-        return None
-    parts = []
-    ptrs = []
-    dev = None
-    for t in tensors:
-        if type(t) is not torch.Tensor or not t.is_cuda:
-            return None
-        p = t.data_ptr()
-        ptrs.append(p)
-        parts.append((t.shape, t.stride(), t.dtype, p & 255))
-        dev = dev or t.device
-    if _check_arch_safe(dev) != "sm_90a":
-        return None
-    alias = tuple((i, j) for i in range(len(ptrs)) for j in range(i) if ptrs[i] == ptrs[j])
-    key = (dev, tuple(parts), alias, options)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-_PLANS_ON = [plans_enabled()]
-
-
-@functools.lru_cache(maxsize=None)
-def _check_arch_safe(dev: torch.device) -> Optional[str]:
-    try:
-        return _check_arch(dev)
-    except ValueError:
-        return None
+    return signature_key(tensors, options)
 
 
 def flash_attn_func(

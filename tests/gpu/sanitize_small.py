@@ -1,7 +1,8 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
 seqlen_q > 1, a recent window, sink tokens, sliding windows, also over the ring / sink), the INT8 Q/K prepass and the INT8-QK prefill (dense
-ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows). Run as a script; exits non-zero on a wrong result."""
+ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows), and launch plan
+replays of prefill, decode and insert calls. Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -39,6 +40,7 @@ def main() -> None:
         print(f"{str(fmt):18} page {page:3} sliding windows: rel err {err:.2e}")
     _ring_and_transforms(g)
     _prefill(g)
+    _replays(g)
     torch.cuda.synchronize()
     print("sanitize_small: OK")
 
@@ -128,6 +130,34 @@ def _prefill(g) -> None:
                                            pv_dtype="fp8")
         assert torch.isfinite(out).all()
     print("prefill sliding windows ran")
+
+
+def _replays(g) -> None:
+    """Launch plans (``qattn.interface.launch_plan``): each signature called four times, so its last two calls
+    replay the recorded launches with their buffers carved from one workspace."""
+    from qattn.interface import launch_plan
+
+    launch_plan.set_enabled(True)
+    q = torch.randn(1, 700, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q[:, :, :2]), torch.randn_like(q[:, :, :2])
+    for kw in ({}, {"causal": True, "pv_dtype": "fp8"}, {"granularity": "per_block"}):
+        outs = [qattn.flash_attn_func(q, k, v, **kw) for _ in range(4)]
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), kw
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
+    outs = [qattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 400, 400, pv_dtype="fp8") for _ in range(4)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    cache = qattn.PagedKVCache(2, 12, 16, 2, 128, "nvfp4", device="cuda")
+    table = torch.arange(12, device="cuda", dtype=torch.int32).view(2, 6)
+    lens = torch.tensor([90, 41], dtype=torch.int32, device="cuda")
+    for layer in range(2):
+        for _ in range(2):
+            kn = torch.randn(96, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            qattn.write_kv(cache, layer, kn, torch.randn_like(kn), torch.arange(96, device="cuda"))
+    qd = torch.randn(2, 1, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    outs = [qattn.flash_attn_with_kvcache(qd, cache, lens, table, layer=1, num_splits=3) for _ in range(4)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert sum(p.hits for p in launch_plan.PLANNERS) >= 10, [p.hits for p in launch_plan.PLANNERS]
+    print("launch plan replays ran")
 
 
 if __name__ == "__main__":

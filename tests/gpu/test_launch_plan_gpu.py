@@ -177,8 +177,124 @@ def test_plans_off_switch():
     import qattn
     from qattn.interface import prefill
 
-    prefill._PLANS_ON[0] = False
+    from qattn.interface import launch_plan
+
+    launch_plan.set_enabled(False)  # (the conftest fixture restores it)
     q, k, v = _qkv(1, 256, 2, 2, 128)
     for _ in range(3):
         qattn.flash_attn_func(q, k, v)
     assert len(prefill._DENSE_PLANS) == 0 and prefill._DENSE_PLANS.hits == 0
+
+
+# ---- decode and insert ------------------------------------------------------------------------------------
+def _cache(fmt, layers=2, window=0, sinks=0, rotate=False, B=4, max_blocks=8, P=16, Hk=4, D=128):
+    import qattn
+
+    return qattn.PagedKVCache(layers, B * max_blocks + 4, P, Hk, D, fmt, device="cuda", recent_window=window,
+                              max_seqs=B + 2 if (window or sinks) else 0, sink_tokens=sinks, rotate=rotate)
+
+
+def _clone_cache(cache):
+    import dataclasses
+
+    import qattn
+
+    layers = [dataclasses.replace(lay, **{f.name: None if getattr(lay, f.name) is None else getattr(lay, f.name).clone()
+                                          for f in dataclasses.fields(lay)})
+              for lay in (cache.layer(i) for i in range(cache.num_layers))]
+    return qattn.PagedKVCache.from_tensors(layers, cache.page_size, cache.head_dim, (cache.k_format, cache.v_format),
+                                           cache.dtype, rotate=cache.rotate, rotation_seed=cache.rotation_seed or 0,
+                                           rotation_signs=cache.rotation_signs)
+
+
+def _same_cache(a, b):
+    import dataclasses
+
+    for i in range(a.num_layers):
+        for f in dataclasses.fields(a.layer(i)):
+            x, y = getattr(a.layer(i), f.name), getattr(b.layer(i), f.name)
+            if x is not None and not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+                return False
+    return True
+
+
+INSERT = [("nvfp4", {}), ("fp8 ring", {"fmt": "fp8", "window": 32}), ("int8+nvfp4 rope smooth", {"fmt": ("int8", "nvfp4")}),
+          ("nvfp4 rotate sinks", {"rotate": True, "sinks": 4})]
+
+
+@pytest.mark.parametrize("name,kw", INSERT, ids=[c[0] for c in INSERT])
+def test_write_kv_replay_writes_the_same_bytes(name, kw):
+    """Planned writes into one cache, normal-path writes into its clone: every pool byte equal after each call,
+    for both layers (the layer is not part of the signature), with new tokens, slots and positions each call."""
+    import qattn
+    from qattn.interface import kv_cache_ops
+
+    fmt = kw.pop("fmt", "nvfp4")
+    cache = _cache(fmt, **kw)
+    twin = _clone_cache(cache)
+    rope = qattn.RoPE.from_theta(10000.0, 64, 4096, device="cuda") if "rope" in name else None
+    ring = bool(cache.recent_window or cache.sink_tokens)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for call in range(6):
+        layer = call % 2
+        n = 16
+        k = torch.randn(n, 4, 128, device="cuda", generator=g).bfloat16()
+        v = torch.randn(n, 4, 128, device="cuda", generator=g).bfloat16()
+        slots = torch.randperm(cache.num_blocks * cache.page_size, device="cuda", generator=g)[:n]
+        positions = torch.arange(call * n, call * n + n, device="cuda") if (ring or rope is not None) else None
+        seq = torch.full((n,), call % 3, dtype=torch.int64, device="cuda") if ring else None
+        k_mean = torch.randn(4, 128, device="cuda", generator=g) if "smooth" in name else None
+        args = dict(positions=positions, seq_slots=seq, rope=rope, k_mean=k_mean)
+        qattn.write_kv(cache, layer, k, v, slots, **args)
+        kv_cache_ops._write_kv_eager(twin, layer, k, v, slots, **args)
+        assert _same_cache(cache, twin), f"call {call}"
+    assert len(kv_cache_ops._INSERT_PLANS) == 1 and kv_cache_ops._INSERT_PLANS.hits == 4, \
+        kv_cache_ops._INSERT_PLANS.unplanned
+
+
+DECODE = [("nvfp4", {}), ("fp8 split", {"fmt": "fp8", "num_splits": 3}), ("int8+nvfp4 GQA8 seqlen_q 2", {"fmt": ("int8", "nvfp4"), "sq": 2}),
+          ("nvfp4 ring sinks", {"window": 32, "sinks": 4}), ("nvfp4 rotate", {"rotate": True}),
+          ("nvfp4 out=", {"out": True}),
+          ("fp8 window", {"fmt": "fp8", "window_size": (40, 0)})]
+
+
+@pytest.mark.parametrize("name,kw", DECODE, ids=[c[0] for c in DECODE])
+def test_decode_replay_equals_normal_path(name, kw):
+    import qattn
+    from qattn.interface import decode
+
+    fmt = kw.get("fmt", "nvfp4")
+    cache = _cache(fmt, window=kw.get("window", 0), sinks=kw.get("sinks", 0), rotate=kw.get("rotate", False))
+    B, P, maxb = 4, 16, 8
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for layer in range(2):  # fill both layers through the normal path
+        for b in range(B):
+            pos = torch.arange(P * maxb - 3, device="cuda")
+            slots = (b * maxb + pos // P) * P + pos % P
+            k = torch.randn(len(pos), 4, 128, device="cuda", generator=g).bfloat16()
+            ring = bool(cache.recent_window or cache.sink_tokens)
+            qattn.write_kv(cache, layer, k, torch.randn_like(k), slots,
+                           positions=pos if ring else None,
+                           seq_slots=torch.full_like(pos, b) if ring else None)
+    table = torch.arange(B * maxb, device="cuda", dtype=torch.int32).view(B, maxb)
+    seq_slots = torch.arange(B, device="cuda", dtype=torch.int32) if (cache.recent_window or cache.sink_tokens) else None
+    Sq, H = kw.get("sq", 1), 32 if "GQA8" in name else 16
+    opts = dict(num_splits=kw.get("num_splits", 0), window_size=kw.get("window_size", (-1, -1)))
+    for call in range(5):
+        layer = call % 2
+        q = torch.randn(B, Sq, H, 128, device="cuda", generator=g).bfloat16()
+        lens = torch.randint(Sq, P * maxb - 3, (B,), device="cuda", generator=g, dtype=torch.int32)
+        if call == 3:  # a block moved: the table is read on the device
+            table = table.roll(1, dims=1).contiguous()
+        out = torch.full_like(q, float("nan")) if kw.get("out") else None
+        o, lse = qattn.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=seq_slots, layer=layer,
+                                               return_lse=True, out=out, **opts)
+        if out is not None:
+            assert o is out
+        rq = q if not cache.rotate else qattn.quant.transforms.rotate_query_dense(q, cache.rotation_matrix)
+        ro, rlse = decode._flash_attn_with_kvcache_eager(rq, cache, lens, table, seq_slots=seq_slots, layer=layer,
+                                                         return_lse=True, **opts)
+        if cache.rotate:
+            ro = qattn.quant.transforms.unrotate_output_dense(ro, cache.rotation_matrix, None)
+        assert torch.equal(o, ro) and torch.equal(lse, rlse), f"call {call}"
+    assert len(decode._DECODE_PLANS) >= 1 and decode._DECODE_PLANS.hits >= 2, decode._DECODE_PLANS.unplanned
