@@ -319,10 +319,13 @@ def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softm
                    return_lse, out, window_size):
     """The eager call, through the launch plan of its signature when there is one (``launch_plan``: the layer is
     not part of the signature, its tensors are plan inputs)."""
+    from ..cute_kernels.sm90.decode_config import tuning_from_env
+
     key = None
     if isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers:
         tensors = (q, cache_seqlens, block_table, seq_slots, out)
-        key = signature_key(tensors, (cache_signature(cache), softmax_scale, causal, num_splits, window_size))
+        key = signature_key(tensors, (cache_signature(cache), softmax_scale, causal, num_splits, window_size,
+                                      tuning_from_env()))
     if key is None:
         return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                               softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
@@ -331,7 +334,8 @@ def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softm
         key, tensors + layer_tensors(cache.layer(layer)), q.device,
         lambda: _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                                softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                               return_lse=True, out=out, window_size=window_size))
+                                               return_lse=True, out=out, window_size=window_size),
+        keyed=len(tensors))
     return (o, lse) if return_lse else o
 
 

@@ -53,6 +53,11 @@ def set_recorder(recorder) -> None:
         _recorders[threading.get_ident()] = recorder
 
 
+def recording() -> bool:
+    """Whether this thread is recording a launch plan."""
+    return threading.get_ident() in _recorders
+
+
 def report_launch(launcher, values: tuple) -> None:
     """Tell this thread's recorder, if any, that ``launcher`` (``_ctypes``, ``_stream_slots``) is called with
     ``values``."""

@@ -83,25 +83,32 @@ class _Buffer:
 class _Recorder(TorchDispatchMode):
     """Records one call (see the module docstring); ``bad`` says why it cannot be a plan."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor], device: torch.device):
+    def __init__(self, inputs: Sequence[torch.Tensor], device: torch.device, keyed: int):
         super().__init__()
         self.inputs = [(0, 0) if t is None else (t.data_ptr(), _extent(t)) for t in inputs]
-        self.input_meta = [None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in inputs]
+        self.input_objs = list(inputs)  # (dropped once the plan is made)
         self.device = device
         self.buffers: list[_Buffer] = []
         self.events: list[tuple] = []  # ("alloc", j) | ("fill", j, value) | ("launch", launcher, template, subs)
         self.bad: Optional[str] = None
         if any(p and p < _MIN_ADDRESS for p, _ in self.inputs):
             self.bad = "an input address below 2^32"
+        # an address is mapped to the first input that starts there: fine among the ``keyed`` inputs (which of them
+        # share an address is part of the signature), not for the others (e.g. a cache's K and V global scales
+        # given as one tensor: another cache of that geometry would get its K scale for V)
+        starts = [p for p, _ in self.inputs]
+        if any(starts[i] and starts[i] in starts[:i] for i in range(keyed, len(starts))):
+            self.bad = "two inputs at one address, not all of them in the signature"
 
     # ---- tensor operations
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if self.bad is None:
-            self._note(func, args, out)
+            self._note(func, args, kwargs, out)
         return out
 
-    def _note(self, func, args, out) -> None:
+    def _note(self, func, args, kwargs, out) -> None:
         schema = func._schema
         name = schema.name
         if name in _FACTORIES:
@@ -137,7 +144,8 @@ class _Recorder(TorchDispatchMode):
             return  # views: no device work
         # anything else that touches device tensors: computes, copies, or reads values on the host (item())
         results = out if isinstance(out, (tuple, list)) else (out,)
-        touched = list(results) + list(args) + [a for a in args if isinstance(a, (tuple, list)) for a in a]
+        given = list(args) + list(kwargs.values())
+        touched = list(results) + given + [a for a in given if isinstance(a, (tuple, list)) for a in a]
         if any(isinstance(t, torch.Tensor) and t.device.type == self.device.type for t in touched):
             self.bad = f"{name}: device work other than the recorded launches"
 
@@ -182,10 +190,11 @@ class _Recorder(TorchDispatchMode):
         if self.bad is not None:
             return None
         self.returned_inputs = {}
+        objs, self.input_objs = self.input_objs, None
         for r, t in enumerate(returned):
-            meta = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-            if meta in self.input_meta:  # e.g. the caller's ``out``
-                self.returned_inputs[r] = self.input_meta.index(meta)
+            same = [i for i, x in enumerate(objs) if x is t]
+            if same:  # e.g. the caller's ``out``
+                self.returned_inputs[r] = same[0]
                 continue
             j = None
             for jj in range(len(self.buffers) - 1, -1, -1):
@@ -278,9 +287,10 @@ def _contiguous_stride(shape) -> tuple:
 
 def signature_key(tensors: Sequence[Optional[torch.Tensor]], options: tuple) -> Optional[tuple]:
     """The call signature of an entry point whose host work depends on nothing else (module docstring): per
-    tensor its shape, strides, dtype and address modulo 256 (None stays None), which tensors share an address,
-    the device and ``options`` (every other argument, hashable); None when plans do not apply (off, torch.compile
-    tracing, a non-CUDA or subclassed tensor, an unhashable option, a device other than SM90)."""
+    tensor its shape, strides, dtype, address modulo 256 and device (None stays None), which tensors share an
+    address, and ``options`` (every other argument, hashable), each with its type; None when plans do not apply
+    (off, torch.compile tracing, a non-CUDA or subclassed tensor, an unhashable option, a first tensor's device
+    other than SM90)."""
     if not _ENABLED[0] or torch.compiler.is_compiling():
         return None
     parts = []
@@ -294,17 +304,25 @@ def signature_key(tensors: Sequence[Optional[torch.Tensor]], options: tuple) -> 
             return None
         p = t.data_ptr()
         ptrs.append(p)
-        parts.append((t.shape, t.stride(), t.dtype, p & 255))
-        dev = dev or t.device
+        d = t.device
+        parts.append((t.shape, t.stride(), t.dtype, p & 255, d))
+        dev = dev or d
     if dev is None or not _sm90(dev):
         return None
     alias = tuple((i, j) for i in range(len(ptrs)) for j in range(i) if ptrs[i] == ptrs[j])
-    key = (dev, tuple(parts), alias, options)
+    # options by type and value: True == 1 == 1.0 hash alike, but the entry points' checks tell them apart
+    key = (dev, tuple(parts), alias, _typed(options))
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _typed(o):
+    if type(o) is tuple:
+        return tuple(_typed(x) for x in o)
+    return (type(o), o)
 
 
 def set_enabled(on: bool) -> bool:
@@ -372,16 +390,19 @@ class Planner:
     def __len__(self) -> int:
         return sum(1 for p in self._plans.values() if p is not _UNPLANNED)
 
-    def call(self, key, inputs: Sequence[torch.Tensor], device: torch.device, slow: Callable[[], tuple]) -> tuple:
-        """``slow()`` (the normal path, returning a tuple of tensors) or the replay of its plan for ``key``."""
+    def call(self, key, inputs: Sequence[torch.Tensor], device: torch.device, slow: Callable[[], tuple],
+             keyed: Optional[int] = None) -> tuple:
+        """``slow()`` (the normal path, returning a tuple of tensors) or the replay of its plan for ``key``.
+        ``inputs``: every tensor whose address a launch may take, the first ``keyed`` (default all) being those
+        whose signature is in ``key``."""
         plan = self._plans.get(key)
         if plan is not None:
-            if plan is _UNPLANNED:
-                return slow()
             try:
                 self._plans.move_to_end(key)
             except KeyError:  # dropped by another thread meanwhile: the plan object is still good
                 pass
+            if plan is _UNPLANNED:
+                return slow()
             self.hits += 1
             return plan.run(inputs)
         with self._lock:
@@ -390,12 +411,12 @@ class Planner:
                 self._seen[key] = True
                 if len(self._seen) > 4 * self.max_plans:
                     self._seen.popitem(last=False)
-        if first:
+        if first or fast_launch.recording():  # (a recording inside another's would hide launches from it)
             return slow()
-        return self._record(key, inputs, device, slow)
+        return self._record(key, inputs, device, slow, len(inputs) if keyed is None else keyed)
 
-    def _record(self, key, inputs, device, slow) -> tuple:
-        rec = _Recorder(inputs, device)
+    def _record(self, key, inputs, device, slow, keyed: int) -> tuple:
+        rec = _Recorder(inputs, device, keyed)
         fast_launch.set_recorder(rec)
         try:
             with rec:

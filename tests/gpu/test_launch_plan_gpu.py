@@ -298,3 +298,46 @@ def test_decode_replay_equals_normal_path(name, kw):
             ro = qattn.quant.transforms.unrotate_output_dense(ro, cache.rotation_matrix, None)
         assert torch.equal(o, ro) and torch.equal(lse, rlse), f"call {call}"
     assert len(decode._DECODE_PLANS) >= 1 and decode._DECODE_PLANS.hits >= 2, decode._DECODE_PLANS.unplanned
+
+
+def test_options_equal_in_value_but_not_in_type_are_checked():
+    """After a plan of the defaults exists, arguments that compare equal to them but fail the entry point's
+    checks (True for 1, 0 for False, floats in window_size) still raise."""
+    import qattn
+
+    q, k, v = _qkv(1, 256, 2, 2, 128)
+    for _ in range(3):
+        qattn.flash_attn_func(q, k, v, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        qattn.flash_attn_func(q, k, v, softmax_scale=True)
+    with pytest.raises((TypeError, ValueError), match="window_size"):
+        qattn.flash_attn_func(q, k, v, softmax_scale=1.0, window_size=(-1.0, -1))
+
+
+def test_decode_cache_with_one_tensor_for_both_global_scales_is_unplanned():
+    """A layer whose K and V global scales are one tensor (from_tensors allows it): its addresses cannot say which
+    input a launch meant, so no plan; a cache of the same geometry with separate scales then plans and replays."""
+    import dataclasses
+
+    import qattn
+    from qattn.interface import decode
+
+    base = _cache("nvfp4", layers=1)
+    kv = torch.randn(512, 4, 128, device="cuda").bfloat16()
+    qattn.write_kv(base, 0, kv, kv * 0.5, torch.arange(512, device="cuda"))  # every slot the table reaches
+    lay = base.layer(0)
+    shared = dataclasses.replace(lay, v_global_scale=lay.k_global_scale)
+    one = qattn.PagedKVCache.from_tensors([shared], base.page_size, base.head_dim, "nvfp4")
+    two = _clone_cache(base)
+    two.layer(0).v_global_scale.fill_(0.5)
+    table = torch.arange(32, device="cuda", dtype=torch.int32).view(4, 8)
+    lens = torch.full((4,), 100, device="cuda", dtype=torch.int32)
+    q = torch.randn(4, 1, 16, 128, device="cuda").bfloat16()
+    for _ in range(3):
+        qattn.flash_attn_with_kvcache(q, one, lens, table)
+    assert len(decode._DECODE_PLANS) == 0 and "one address" in next(iter(decode._DECODE_PLANS.unplanned.values()))
+    decode._DECODE_PLANS.clear()
+    for _ in range(3):
+        o = qattn.flash_attn_with_kvcache(q, two, lens, table)
+        assert torch.equal(o, decode._flash_attn_with_kvcache_eager(q, two, lens, table))
+    assert decode._DECODE_PLANS.hits == 1

@@ -199,3 +199,53 @@ def test_recorder_is_per_thread():
     for _ in range(2):
         planner.call("k", (x, y), CPU, lambda: slow_with_thread(x, y))
     assert planner._plans["k"].num_launches == 3 and len(seen) == 2
+
+
+def test_aliasing_beyond_the_signature_is_unplanned():
+    """Inputs past ``keyed`` are not in the key: two of them (or one and a keyed one) at one address would map
+    every launch argument there to the first, which another call of the signature need not share."""
+    planner = Planner()
+    x, y, shared = torch.randn(4), torch.randn(4), torch.randn(4)
+    for _ in range(3):
+        planner.call("k", (x, y, shared, shared), CPU, lambda: slow(x, y), keyed=2)
+    assert len(planner) == 0 and "one address" in planner.unplanned["k"]
+    for _ in range(3):  # keyed aliasing is the signature's business
+        planner.call("k2", (x, x), CPU, lambda: slow(x, x), keyed=2)
+    assert len(planner) == 1
+
+
+def test_a_returned_input_comes_back_as_itself():
+    def into(x, out):
+        K1(x.data_ptr(), out.data_ptr(), 4, 1.0, 0)
+        return (out,)
+
+    planner = Planner()
+    x = torch.randn(4)
+    for _ in range(4):
+        out = torch.empty(4)
+        alias = out.view_as(out)  # same address and metadata as ``out``, another object
+        (r,) = planner.call("k", (x, alias, out), CPU, lambda: into(x, out))
+        assert r is out
+    assert planner.hits == 2
+
+
+def test_no_recording_inside_another():
+    inner = Planner()
+    outer = Planner()
+    x, y = torch.randn(4), torch.randn(4)
+
+    def nested():
+        inner.call("i", (x, y), CPU, lambda: slow(x, y))  # its second sighting happens while outer records
+        return slow(x, y)
+
+    for _ in range(2):  # the outer's second call records; the inner's second sighting comes inside it
+        outer.call("o", (x, y), CPU, nested)
+    assert outer._plans["o"].num_launches == 6  # the inner call's launches are in the outer plan
+    assert len(inner) == 0 and "i" not in inner._plans
+
+
+def test_options_keep_their_type():
+    from qattn.interface.launch_plan import _typed
+
+    assert _typed((True, (-1, -1))) != _typed((1, (-1, -1)))
+    assert _typed((0.0,)) != _typed((False,)) and _typed((None, (1, 2))) == _typed((None, (1, 2)))
