@@ -310,8 +310,8 @@ def signature_key(tensors: Sequence[Optional[torch.Tensor]], options: tuple) -> 
     if dev is None or not _sm90(dev):
         return None
     alias = tuple((i, j) for i in range(len(ptrs)) for j in range(i) if ptrs[i] == ptrs[j])
-    # options by type and value: True == 1 == 1.0 hash alike, but the entry points' checks tell them apart
-    key = (dev, tuple(parts), alias, _typed(options))
+    # options by value and type: True == 1 == 1.0 hash alike, but the entry points' checks tell them apart
+    key = (dev, tuple(parts), alias, options, _types(options))
     try:
         hash(key)
     except TypeError:
@@ -319,10 +319,9 @@ def signature_key(tensors: Sequence[Optional[torch.Tensor]], options: tuple) -> 
     return key
 
 
-def _typed(o):
-    if type(o) is tuple:
-        return tuple(_typed(x) for x in o)
-    return (type(o), o)
+def _types(options: tuple) -> tuple:
+    """The type of every option, and of every element of a tuple option (e.g. ``window_size``)."""
+    return tuple([type(x) if type(x) is not tuple else tuple(map(type, x)) for x in options])
 
 
 def set_enabled(on: bool) -> bool:

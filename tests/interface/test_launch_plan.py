@@ -245,7 +245,10 @@ def test_no_recording_inside_another():
 
 
 def test_options_keep_their_type():
-    from qattn.interface.launch_plan import _typed
+    from qattn.interface.launch_plan import _types
 
-    assert _typed((True, (-1, -1))) != _typed((1, (-1, -1)))
-    assert _typed((0.0,)) != _typed((False,)) and _typed((None, (1, 2))) == _typed((None, (1, 2)))
+    def key(o):
+        return (o, _types(o))
+
+    assert key((True, (-1, -1))) != key((1, (-1, -1))) and key((1, (-1.0, -1))) != key((1, (-1, -1)))
+    assert key((0.0,)) != key((False,)) and key((None, (1, 2))) == key((None, (1, 2)))
