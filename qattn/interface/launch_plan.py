@@ -54,7 +54,8 @@ _FILLS = {"aten::zero_", "aten::fill_"}
 
 
 def plans_enabled() -> bool:
-    return os.environ.get("QATTN_LAUNCH_PLANS", "1") != "0"
+    """``QATTN_LAUNCH_PLANS`` (read at import): plans are on unless it is 0 / false / off / no."""
+    return os.environ.get("QATTN_LAUNCH_PLANS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

@@ -252,3 +252,45 @@ def test_options_keep_their_type():
 
     assert key((True, (-1, -1))) != key((1, (-1, -1))) and key((1, (-1.0, -1))) != key((1, (-1, -1)))
     assert key((0.0,)) != key((False,)) and key((None, (1, 2))) == key((None, (1, 2)))
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False), (" False ", False),
+                                      ("no", False), ("yes", True)])
+def test_env_switch(monkeypatch, value, on):
+    from qattn.interface.launch_plan import plans_enabled
+
+    if value is None:
+        monkeypatch.delenv("QATTN_LAUNCH_PLANS", raising=False)
+    else:
+        monkeypatch.setenv("QATTN_LAUNCH_PLANS", value)
+    assert plans_enabled() is on
+
+
+def test_no_key_for_host_tensors_or_when_off():
+    from qattn.interface import launch_plan
+
+    x = torch.randn(4)
+    assert launch_plan.signature_key((x,), ()) is None  # host tensors: the normal path
+    old = launch_plan.set_enabled(False)
+    try:
+        assert launch_plan.signature_key((None,), ()) is None
+    finally:
+        launch_plan.set_enabled(old)
+
+
+def test_layer_tensors_cover_every_kvlayer_field():
+    """A field added to KVLayer must become a plan input too (else its address is unmapped and every decode /
+    insert signature of such a cache stays unplanned)."""
+    import dataclasses
+
+    import qattn
+    from qattn.interface.launch_plan import cache_signature, layer_tensors
+
+    cache = qattn.PagedKVCache(2, 8, 16, 2, 64, "nvfp4", recent_window=16, max_seqs=2, sink_tokens=4)
+    lay = cache.layer(1)
+    assert layer_tensors(lay) == tuple(getattr(lay, f.name) for f in dataclasses.fields(lay))
+    sig = cache_signature(cache)
+    assert sig is cache_signature(cache)  # kept on the cache
+    other = qattn.PagedKVCache(2, 8, 16, 2, 64, "fp8", recent_window=16, max_seqs=2, sink_tokens=4)
+    assert cache_signature(other) != sig
+    hash(sig)
