@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import fast_launch
 from .fast_launch import on_device, stream_handle
 
-__all__ = ["LaunchPlan", "Planner", "plans_enabled", "signature_key", "set_enabled", "cache_signature", "layer_tensors", "MAX_PLANS", "PLANNERS"]
+__all__ = ["LaunchPlan", "Planner", "plans_enabled", "signature_key", "set_enabled", "cache_signature", "layer_tensors",
+           "MAX_PLANS", "PLANNERS"]
 
 MAX_PLANS = 256
 _ALIGN = 512  # workspace sub-buffers start (and are rounded) like torch caching-allocator blocks

@@ -218,7 +218,8 @@ def _same_cache(a, b):
     return True
 
 
-INSERT = [("nvfp4", {}), ("fp8 ring", {"fmt": "fp8", "window": 32}), ("int8+nvfp4 rope smooth", {"fmt": ("int8", "nvfp4")}),
+INSERT = [("nvfp4", {}), ("fp8 ring", {"fmt": "fp8", "window": 32}),
+          ("int8+nvfp4 rope smooth", {"fmt": ("int8", "nvfp4")}),
           ("nvfp4 rotate sinks", {"rotate": True, "sinks": 4})]
 
 
@@ -252,7 +253,8 @@ def test_write_kv_replay_writes_the_same_bytes(name, kw):
         kv_cache_ops._INSERT_PLANS.unplanned
 
 
-DECODE = [("nvfp4", {}), ("fp8 split", {"fmt": "fp8", "num_splits": 3}), ("int8+nvfp4 GQA8 seqlen_q 2", {"fmt": ("int8", "nvfp4"), "sq": 2}),
+DECODE = [("nvfp4", {}), ("fp8 split", {"fmt": "fp8", "num_splits": 3}),
+          ("int8+nvfp4 GQA8 seqlen_q 2", {"fmt": ("int8", "nvfp4"), "sq": 2}),
           ("nvfp4 ring sinks", {"window": 32, "sinks": 4}), ("nvfp4 rotate", {"rotate": True}),
           ("nvfp4 out=", {"out": True}),
           ("fp8 window", {"fmt": "fp8", "window_size": (40, 0)})]
@@ -267,17 +269,17 @@ def test_decode_replay_equals_normal_path(name, kw):
     cache = _cache(fmt, window=kw.get("window", 0), sinks=kw.get("sinks", 0), rotate=kw.get("rotate", False))
     B, P, maxb = 4, 16, 8
     g = torch.Generator(device="cuda").manual_seed(2)
+    ring = bool(cache.recent_window or cache.sink_tokens)
     for layer in range(2):  # fill both layers through the normal path
         for b in range(B):
             pos = torch.arange(P * maxb - 3, device="cuda")
             slots = (b * maxb + pos // P) * P + pos % P
             k = torch.randn(len(pos), 4, 128, device="cuda", generator=g).bfloat16()
-            ring = bool(cache.recent_window or cache.sink_tokens)
             qattn.write_kv(cache, layer, k, torch.randn_like(k), slots,
                            positions=pos if ring else None,
                            seq_slots=torch.full_like(pos, b) if ring else None)
     table = torch.arange(B * maxb, device="cuda", dtype=torch.int32).view(B, maxb)
-    seq_slots = torch.arange(B, device="cuda", dtype=torch.int32) if (cache.recent_window or cache.sink_tokens) else None
+    seq_slots = torch.arange(B, device="cuda", dtype=torch.int32) if ring else None
     Sq, H = kw.get("sq", 1), 32 if "GQA8" in name else 16
     opts = dict(num_splits=kw.get("num_splits", 0), window_size=kw.get("window_size", (-1, -1)))
     for call in range(5):
