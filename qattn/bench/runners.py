@@ -207,30 +207,28 @@ def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, l
         ref = attention_reference(q[:1, :1024], k[:1], v[:1], causal=sh.causal) if not sh.causal else None
         impls = [(p, make[p], "eager") for p in peers]
         ours = _ours("flash_attn_func")
+
+        def call(**kw):  # maker of one flash_attn_func call with these options (None until it exists)
+            return (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, **kw))) if ours else None
+
         # kernel-only: the attention kernel on Q/K quantized once beforehand; end-to-end: flash_attn_func (the K
         # prepass + the kernel quantizing Q itself); prepass: what flash_attn_func launches before the kernel
         impls.append(("qattn int8-QK", _qattn_prefill_kernel_only if ours else None, "kernel"))
-        impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
-                      if ours else None, "end-to-end"))
+        impls.append(("qattn int8-QK", call(), "end-to-end"))
         impls.append(("qattn int8-QK", _qattn_prefill_prepass if ours else None, "prepass"))
-        impls.append(("qattn int8-QK balanced", (lambda q, k, v, causal: (
-            lambda: ours(q, k, v, causal=causal, balance_qk=True))) if ours else None, "end-to-end"))
+        impls.append(("qattn int8-QK balanced", call(balance_qk=True), "end-to-end"))
         impls.append(("qattn int8-QK balanced", _qattn_prefill_balanced_prepass if ours else None, "prepass"))
-        impls.append(("qattn 16-bit QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, qk_quant=None)))
-                      if ours else None, "kernel"))  # the same kernel unquantized: the A/B of INT8 QK^T
+        impls.append(("qattn 16-bit QK", call(qk_quant=None), "kernel"))  # the same kernel unquantized: the A/B
         impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_kernel_only if ours else None, "kernel"))
-        impls.append(("qattn int8-QK fp8-PV", (lambda q, k, v, causal: (
-            lambda: ours(q, k, v, causal=causal, pv_dtype="fp8"))) if ours else None, "end-to-end"))
+        impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "end-to-end"))
         impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_prepass if ours else None, "prepass"))
         # GPU time of the same calls (CUDA graph): at short lengths an eager call can be host-bound (FA4's Python
-        # at S2K: ~100-160 us per call on a lent H100's host, more than its kernel), so these rows compare the GPU
+        # at S2K: ~100-180 us per call on a lent H100's host, more than its kernel), so these rows compare the GPU
         # work alone, each against FA4's graph row
         if "fa4" in peers:
             impls.append(("fa4", make["fa4"], "graph"))
-        impls.append(("qattn int8-QK", (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal)))
-                      if ours else None, "graph"))
-        impls.append(("qattn int8-QK fp8-PV", (lambda q, k, v, causal: (
-            lambda: ours(q, k, v, causal=causal, pv_dtype="fp8"))) if ours else None, "graph"))
+        impls.append(("qattn int8-QK", call(), "graph"))
+        impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "graph"))
         # every implementation's output checked first, then all of them timed in turns (``bench_interleaved``),
         # so that the GPU's clock drift over the run weighs on each alike
         fns, errs, notes = {}, {}, {}

@@ -331,7 +331,7 @@ def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softm
                                               softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                               return_lse=return_lse, out=out, window_size=window_size)
     o, lse = _DECODE_PLANS.call(
-        key, tensors + layer_tensors(cache.layer(layer)), q.device,
+        key, tensors + layer_tensors(cache.layer(layer)),
         lambda: _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                                softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                                return_lse=True, out=out, window_size=window_size),

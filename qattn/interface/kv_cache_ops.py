@@ -281,21 +281,19 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
              seq_slots: torch.Tensor | None = None, check: bool = False) -> None:
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         return write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
-    key = None
+    key = inputs = tensors = None
     if not check and isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers and (
             rope is None or isinstance(rope, RoPE)):
         # (the rotation signs are keyed: write_kv copies them when misaligned)
         tensors = (k, v, slot_mapping, seq_slots, positions, k_mean, None if rope is None else rope.cos_sin_cache,
                    cache.rotation_signs)
         key = signature_key(tensors, (cache_signature(cache), None if rope is None else rope.style))
-    if key is None:
-        return _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots, positions=positions, rope=rope,
-                               k_mean=k_mean, check=check)
-    # the launch plan of this signature (launch_plan: the layer's tensors are inputs too)
-    _INSERT_PLANS.call(key, tensors + layer_tensors(cache.layer(layer)), cache.device,
+        # the launch plan of this signature (launch_plan: the layer's tensors are inputs too)
+        inputs = None if key is None else tensors + layer_tensors(cache.layer(layer))
+    _INSERT_PLANS.call(key, inputs,
                        lambda: _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots,
-                                               positions=positions, rope=rope, k_mean=k_mean) or (),
-                       keyed=len(tensors))
+                                               positions=positions, rope=rope, k_mean=k_mean, check=check) or (),
+                       keyed=None if tensors is None else len(tensors))
 
 
 _INSERT_PLANS = Planner()

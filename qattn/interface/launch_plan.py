@@ -151,14 +151,20 @@ class _Recorder(TorchDispatchMode):
         if any(isinstance(t, torch.Tensor) and t.device.type == self.device.type for t in touched):
             self.bad = f"{name}: device work other than the recorded launches"
 
+    def _buffer_at(self, ptr: int) -> Optional[int]:
+        """The newest buffer starting at ``ptr`` (an older one there was freed before it was allocated)."""
+        for j in range(len(self.buffers) - 1, -1, -1):
+            if self.buffers[j].ptr == ptr:
+                return j
+        return None
+
     def _whole_buffer(self, t) -> Optional[int]:
         if not isinstance(t, torch.Tensor):
             return None
-        for j in range(len(self.buffers) - 1, -1, -1):
-            b = self.buffers[j]
-            if b.ptr == t.data_ptr():
-                return j if t.is_contiguous() and t.numel() * t.element_size() == b.nbytes else None
-        return None
+        j = self._buffer_at(t.data_ptr())
+        if j is None or not t.is_contiguous() or t.numel() * t.element_size() != self.buffers[j].nbytes:
+            return None
+        return j
 
     # ---- kernel launches (FastLaunch.__call__)
     def launch(self, launcher, values: tuple) -> None:
@@ -198,11 +204,7 @@ class _Recorder(TorchDispatchMode):
             if same:  # e.g. the caller's ``out``
                 self.returned_inputs[r] = same[0]
                 continue
-            j = None
-            for jj in range(len(self.buffers) - 1, -1, -1):
-                if self.buffers[jj].ptr == t.data_ptr():
-                    j = jj
-                    break
+            j = self._buffer_at(t.data_ptr())
             b = None if j is None else self.buffers[j]
             if (b is None or b.returned is not None or tuple(t.shape) != b.shape or t.dtype != b.dtype
                     or t.stride() != b.stride):
@@ -226,20 +228,17 @@ class LaunchPlan:
         self.device = device
         self.workspace_bytes = workspace_bytes
         self.num_returned = num_returned
-        # buffers: (workspace offset or None, shape, dtype, stride, fill); returned: buffer index per output
-        self.buffers = [(b.offset, b.shape, b.dtype, b.stride, b.fill) for b in buffers]
+        # buffers: (workspace offset or None, shape, dtype, stride or None when contiguous, fill)
+        self.buffers = [(b.offset, b.shape, b.dtype, None if b.stride == _contiguous_stride(b.shape) else b.stride,
+                         b.fill) for b in buffers]
         self.returned = [None] * num_returned  # (0, input index) or (1, buffer index) per returned tensor
         for j, b in enumerate(buffers):
             if b.returned is not None:
                 self.returned[b.returned] = (1, j)
         for r, i in (returned_inputs or {}).items():
             self.returned[r] = (0, i)
-        self.steps = []  # ("fill", j, value) | ("launch", launcher, template, subs, stream slots)
-        for e in events:
-            if e[0] == "fill":
-                self.steps.append(e)
-            elif e[0] == "launch":
-                self.steps.append(e)
+        # ("fill", j, value) | ("launch", launcher, template, subs, stream slots); allocations happen up front
+        self.steps = [e for e in events if e[0] != "alloc"]
         self.num_launches = sum(1 for e in self.steps if e[0] == "launch")
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -254,8 +253,8 @@ class LaunchPlan:
                 tensors.append(None)
                 ptrs.append(base + off)
                 continue
-            t = _empty(shape, dtype, dev) if stride == _contiguous_stride(shape) else \
-                torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+            t = _empty(shape, dtype, dev) if stride is None else torch.empty_strided(shape, stride, dtype=dtype,
+                                                                                      device=dev)
             if fill is not None:
                 t.fill_(fill)
             tensors.append(t)
@@ -391,11 +390,14 @@ class Planner:
     def __len__(self) -> int:
         return sum(1 for p in self._plans.values() if p is not _UNPLANNED)
 
-    def call(self, key, inputs: Sequence[torch.Tensor], device: torch.device, slow: Callable[[], tuple],
-             keyed: Optional[int] = None) -> tuple:
-        """``slow()`` (the normal path, returning a tuple of tensors) or the replay of its plan for ``key``.
-        ``inputs``: every tensor whose address a launch may take, the first ``keyed`` (default all) being those
-        whose signature is in ``key``."""
+    def call(self, key, inputs: Sequence[torch.Tensor], slow: Callable[[], tuple], keyed: Optional[int] = None,
+             device: Optional[torch.device] = None) -> tuple:
+        """``slow()`` (the normal path, returning a tuple of tensors) or the replay of its plan for ``key`` (None:
+        plans do not apply, the normal path). ``inputs``: every tensor whose address a launch may take, the first
+        ``keyed`` (default all) being those whose signature is in ``key``. ``device``: where the launches run
+        (default ``key[0]``, the device of a :func:`signature_key`)."""
+        if key is None:
+            return slow()
         plan = self._plans.get(key)
         if plan is not None:
             try:
@@ -414,7 +416,8 @@ class Planner:
                     self._seen.popitem(last=False)
         if first or fast_launch.recording():  # (a recording inside another's would hide launches from it)
             return slow()
-        return self._record(key, inputs, device, slow, len(inputs) if keyed is None else keyed)
+        return self._record(key, inputs, key[0] if device is None else device, slow,
+                            len(inputs) if keyed is None else keyed)
 
     def _record(self, key, inputs, device, slow, keyed: int) -> tuple:
         rec = _Recorder(inputs, device, keyed)

@@ -472,10 +472,6 @@ _DENSE_PLANS = Planner()
 _VARLEN_PLANS = Planner()
 
 
-def _plan_key(tensors: tuple, options: tuple) -> Optional[tuple]:
-    return signature_key(tensors, options)
-
-
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -521,25 +517,17 @@ def flash_attn_func(
     """
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
-    key = _plan_key((q, k, v), options)
-    if key is not None:  # a signature seen before: the recorded launches (launch_plan.py)
-        out, lse = _DENSE_PLANS.call(key, (q, k, v), q.device, lambda: _flash_attn_func(q, k, v, *options))
-    else:
-        out, lse = _flash_attn_func(q, k, v, *options)
+    # a signature seen before replays its recorded launches (launch_plan.py)
+    out, lse = _DENSE_PLANS.call(signature_key((q, k, v), options), (q, k, v),
+                                 lambda: _flash_attn_func(q, k, v, *options))
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk,
                      dropout_p, window_size, softcap, alibi_slopes, deterministic):
     """:func:`flash_attn_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
-    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
-    window = _window_ints(window_size)
-    if qk_quant not in ("int8", None):
-        raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
-    _check_balance(balance_qk, qk_quant)
-    _check_pv_dtype(pv_dtype, qk_quant)
-    _check_qkv_16bit(q, k, v)
-    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    window, softmax_scale = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p,
+                                           window_size, softcap, alibi_slopes, deterministic)
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         from .torch_ops import prefill_op
 
@@ -549,6 +537,19 @@ def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smoo
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
                                           pv_dtype, qk_quant or "none", balance_qk, window)
     return out, lse
+
+
+def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p, window_size, softcap,
+                   alibi_slopes, deterministic) -> tuple:
+    """The checks ``flash_attn_func`` and ``flash_attn_varlen_func`` share: (window edges, softmax scale)."""
+    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
+    window = _window_ints(window_size)
+    if qk_quant not in ("int8", None):
+        raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
+    _check_balance(balance_qk, qk_quant)
+    _check_pv_dtype(pv_dtype, qk_quant)
+    _check_qkv_16bit(q, k, v)
+    return window, _softmax_scale(softmax_scale, q.shape[-1])
 
 
 def _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic) -> None:
@@ -647,12 +648,8 @@ def flash_attn_varlen_func(
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    key = _plan_key(inputs, options + (max_seqlen_q, max_seqlen_k))
-    if key is not None:  # a signature seen before: the recorded launches (launch_plan.py)
-        out, lse = _VARLEN_PLANS.call(key, inputs, q.device,
-                                      lambda: _flash_attn_varlen_func(*inputs, max_seqlen_q, max_seqlen_k, *options))
-    else:
-        out, lse = _flash_attn_varlen_func(*inputs, max_seqlen_q, max_seqlen_k, *options)
+    out, lse = _VARLEN_PLANS.call(signature_key(inputs, options + (max_seqlen_q, max_seqlen_k)), inputs,
+                                  lambda: _flash_attn_varlen_func(*inputs, max_seqlen_q, max_seqlen_k, *options))
     return (out, lse) if return_lse else out
 
 
@@ -660,14 +657,8 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size, softcap,
                             alibi_slopes, deterministic):
     """:func:`flash_attn_varlen_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
-    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
-    window = _window_ints(window_size)
-    if qk_quant not in ("int8", None):
-        raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
-    _check_balance(balance_qk, qk_quant)
-    _check_pv_dtype(pv_dtype, qk_quant)
-    _check_qkv_16bit(q, k, v)
-    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    window, softmax_scale = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p,
+                                           window_size, softcap, alibi_slopes, deterministic)
     if torch.compiler.is_compiling():
         from .torch_ops import prefill_varlen_op
 

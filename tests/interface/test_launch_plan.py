@@ -60,7 +60,7 @@ def _roles(values, inputs, buffers):
 def _call(planner, key, x, y):
     for k in (K1, K2):
         k.calls.clear()
-    result = planner.call(key, (x, y), CPU, lambda: slow(x, y))
+    result = planner.call(key, (x, y), lambda: slow(x, y), device=CPU)
     return result, [c for k in (K1, K2) for c in k.calls]
 
 
@@ -119,7 +119,7 @@ def test_unknown_address_makes_the_signature_unplanned():
     x, y = torch.randn(4), torch.randn(4)
     for _ in range(3):
         K1.calls.clear()
-        (out,) = planner.call("k", (x, y), CPU, lambda: bad_slow(x, y))
+        (out,) = planner.call("k", (x, y), lambda: bad_slow(x, y), device=CPU)
         assert K1.calls[0][0] == stray.data_ptr()  # the normal path every time
     assert len(planner) == 0 and "address outside" in planner.unplanned["k"]
 
@@ -142,7 +142,7 @@ def test_other_device_work_makes_the_signature_unplanned(op):
     planner = Planner()
     x, y = torch.randn(4), torch.randn(4)
     for _ in range(3):
-        planner.call("k", (x, y), CPU, lambda: other(x, y))
+        planner.call("k", (x, y), lambda: other(x, y), device=CPU)
     assert len(planner) == 0 and planner.hits == 0 and planner.unplanned["k"]
 
 
@@ -158,12 +158,12 @@ def test_views_and_recorded_fills_are_fine():
     planner = Planner()
     x, y = torch.randn(4), torch.randn(4)
     for _ in range(2):
-        planner.call("k", (x, y), CPU, lambda: viewing(x, y))
+        planner.call("k", (x, y), lambda: viewing(x, y), device=CPU)
     plan = planner._plans["k"]
     assert isinstance(plan, LaunchPlan)
     assert [s[0] for s in plan.steps] == ["fill", "launch"]
     K2.calls.clear()
-    (out,) = planner.call("k", (x, y), CPU, lambda: viewing(x, y))
+    (out,) = planner.call("k", (x, y), lambda: viewing(x, y), device=CPU)
     assert K2.calls[0][1] == x.data_ptr() and K2.calls[0][2] == out.data_ptr()
 
 
@@ -175,7 +175,7 @@ def test_errors_are_not_recorded():
 
     for _ in range(3):
         with pytest.raises(ValueError, match="bad input"):
-            planner.call("k", (torch.randn(2),), CPU, failing)
+            planner.call("k", (torch.randn(2),), failing, device=CPU)
     assert len(planner) == 0 and "k" not in planner._plans
 
 
@@ -197,7 +197,7 @@ def test_recorder_is_per_thread():
         return slow(x, y)
 
     for _ in range(2):
-        planner.call("k", (x, y), CPU, lambda: slow_with_thread(x, y))
+        planner.call("k", (x, y), lambda: slow_with_thread(x, y), device=CPU)
     assert planner._plans["k"].num_launches == 3 and len(seen) == 2
 
 
@@ -207,10 +207,10 @@ def test_aliasing_beyond_the_signature_is_unplanned():
     planner = Planner()
     x, y, shared = torch.randn(4), torch.randn(4), torch.randn(4)
     for _ in range(3):
-        planner.call("k", (x, y, shared, shared), CPU, lambda: slow(x, y), keyed=2)
+        planner.call("k", (x, y, shared, shared), lambda: slow(x, y), keyed=2, device=CPU)
     assert len(planner) == 0 and "one address" in planner.unplanned["k"]
     for _ in range(3):  # keyed aliasing is the signature's business
-        planner.call("k2", (x, x), CPU, lambda: slow(x, x), keyed=2)
+        planner.call("k2", (x, x), lambda: slow(x, x), keyed=2, device=CPU)
     assert len(planner) == 1
 
 
@@ -224,7 +224,7 @@ def test_a_returned_input_comes_back_as_itself():
     for _ in range(4):
         out = torch.empty(4)
         alias = out.view_as(out)  # same address and metadata as ``out``, another object
-        (r,) = planner.call("k", (x, alias, out), CPU, lambda: into(x, out))
+        (r,) = planner.call("k", (x, alias, out), lambda: into(x, out), device=CPU)
         assert r is out
     assert planner.hits == 2
 
@@ -235,11 +235,11 @@ def test_no_recording_inside_another():
     x, y = torch.randn(4), torch.randn(4)
 
     def nested():
-        inner.call("i", (x, y), CPU, lambda: slow(x, y))  # its second sighting happens while outer records
+        inner.call("i", (x, y), lambda: slow(x, y), device=CPU)  # its second sighting happens while outer records
         return slow(x, y)
 
     for _ in range(2):  # the outer's second call records; the inner's second sighting comes inside it
-        outer.call("o", (x, y), CPU, nested)
+        outer.call("o", (x, y), nested, device=CPU)
     assert outer._plans["o"].num_launches == 6  # the inner call's launches are in the outer plan
     assert len(inner) == 0 and "i" not in inner._plans
 
