@@ -26,7 +26,9 @@ from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
 from .window import FULL, Window, resolve_window, window_ints as _window_ints
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "prefill_int8", "prefill_int8_varlen", "prefill_compile_args"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "prefill_int8", "prefill_int8_varlen",
+           "prefill_compile_args"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -651,6 +653,46 @@ def flash_attn_varlen_func(
     out, lse = _VARLEN_PLANS.call(signature_key(inputs, options + (max_seqlen_q, max_seqlen_k)), inputs,
                                   lambda: _flash_attn_varlen_func(*inputs, max_seqlen_q, max_seqlen_k, *options))
     return (out, lse) if return_lse else out
+
+
+
+def _unpack(t, name: str, dims: int, axis: int, count: int, layout: str) -> tuple:
+    """The ``count`` views of a packed tensor along ``axis`` (no copy), after checking its rank and that axis."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims or t.shape[axis] != count:
+        raise ValueError(f"{name}: expected shape {layout}, got {tuple(t.shape)}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, **options):
+    """FlashAttention's ``flash_attn_qkvpacked_func``: ``qkv`` (batch, seqlen, 3, num_heads, head_dim) is
+    :func:`flash_attn_func` on its three views ``qkv[:, :, 0]``, ``[:, :, 1]``, ``[:, :, 2]`` (no copy; the kernels
+    read the strided views). ``options``: :func:`flash_attn_func`'s keywords."""
+    q, k, v = _unpack(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, num_heads, head_dim)")
+    return flash_attn_func(q, k, v, **options)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, **options):
+    """FlashAttention's ``flash_attn_kvpacked_func``: ``kv`` (batch, seqlen_k, 2, num_kv_heads, head_dim) is
+    :func:`flash_attn_func` on ``q``, ``kv[:, :, 0]`` and ``kv[:, :, 1]`` (views, no copy)."""
+    k, v = _unpack(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, num_kv_heads, head_dim)")
+    return flash_attn_func(q, k, v, **options)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, **options):
+    """FlashAttention's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, num_heads, head_dim) is
+    :func:`flash_attn_varlen_func` on its three views, with ``cu_seqlens`` / ``max_seqlen`` for queries and keys."""
+    q, k, v = _unpack(qkv, "qkv", 4, 1, 3, "(total, 3, num_heads, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, **options):
+    """FlashAttention's ``flash_attn_varlen_kvpacked_func``: ``kv`` (total_k, 2, num_kv_heads, head_dim) is
+    :func:`flash_attn_varlen_func` on ``q``, ``kv[:, 0]`` and ``kv[:, 1]`` (views, no copy)."""
+    k, v = _unpack(kv, "kv", 4, 1, 2, "(total_k, 2, num_kv_heads, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
 
 
 def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

@@ -1,0 +1,83 @@
+"""GPU: FlashAttention's packed forms read their strided views in place and give the same bits (output and LSE)
+as ``flash_attn_func`` / ``flash_attn_varlen_func`` on contiguous copies of the same Q, K and V, and an output
+close to exact attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qattn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _exact(q, k, v, causal):
+    """fp64 attention of (B, S, H, D) tensors, GQA by repeating K / V heads; causal aligned to the end."""
+    rep = q.shape[2] // k.shape[2]
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
+    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
+    return (s.softmax(-1) @ vd).transpose(1, 2)
+
+
+def _nrmse(x, r):
+    x, r = x.double(), r.double()
+    return float((x - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt())
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_qkvpacked_equals_contiguous(causal, pv_dtype):
+    g = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(2, 333, 3, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    got = qattn.flash_attn_qkvpacked_func(qkv, causal=causal, pv_dtype=pv_dtype, return_lse=True)
+    q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
+    _same(got, qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True))
+    assert _nrmse(got[0], _exact(q, k, v, causal)) < (0.05 if pv_dtype == "fp8" else 0.02)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_kvpacked_gqa_equals_contiguous(D):
+    g = torch.Generator(device="cuda").manual_seed(D)
+    q = torch.randn(1, 200, 8, D, device="cuda", dtype=torch.float16, generator=g)
+    kv = torch.randn(1, 517, 2, 2, D, device="cuda", dtype=torch.float16, generator=g)
+    got = qattn.flash_attn_kvpacked_func(q, kv, causal=True, return_lse=True)
+    k, v = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+    _same(got, qattn.flash_attn_func(q, k, v, causal=True, return_lse=True))
+    assert _nrmse(got[0], _exact(q, k, v, True)) < 0.02
+
+
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+def test_varlen_packed_equal_contiguous(pv_dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lens = [130, 1, 400]
+    cu = torch.tensor([0, 130, 131, 531], dtype=torch.int32, device="cuda")
+    qkv = torch.randn(sum(lens), 3, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    got = qattn.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True, pv_dtype=pv_dtype,
+                                                  return_lse=True)
+    q, k, v = (qkv[:, i].contiguous() for i in range(3))
+    _same(got, qattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, pv_dtype=pv_dtype,
+                                            return_lse=True))
+
+    kv = qkv[:, 1:].clone()  # (total, 2, heads, dim)
+    got_kv = qattn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens), causal=True,
+                                                   pv_dtype=pv_dtype, return_lse=True)
+    _same(got_kv, got)
+    for i in range(len(lens)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        ref = _exact(q[None, a:b], k[None, a:b], v[None, a:b], True)[0]
+        assert _nrmse(got[0][a:b], ref) < (0.05 if pv_dtype == "fp8" else 0.02)
