@@ -94,3 +94,31 @@ def test_packed_views_reach_the_real_checks():
     """No spy: a packed fp32 tensor fails flash_attn_func's own dtype check, so the views really go there."""
     with pytest.raises(TypeError, match="q: expected dtype"):
         qattn.flash_attn_qkvpacked_func(torch.zeros(1, 8, 3, 4, 64))
+
+
+def test_packed_forms_trace_as_the_prefill_ops():
+    """torch.compile(fullgraph=True): the packed forms are views plus the qattn::prefill / prefill_varlen custom
+    ops, no graph break (fake shapes on the CPU; the kernels never run here)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        return lambda *args: [torch.zeros(1)] * n_out
+
+    def layer(qkv, kv, cu):
+        a = qattn.flash_attn_qkvpacked_func(qkv, causal=True)
+        b = qattn.flash_attn_kvpacked_func(qkv[:, :, 0], kv)
+        c = qattn.flash_attn_varlen_qkvpacked_func(qkv[0], cu, 16, causal=True)
+        d = qattn.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], kv[0], cu, cu, 16, 16)
+        return a, b, c, d
+
+    qkv = torch.randn(1, 16, 3, 2, 64, dtype=torch.bfloat16)
+    kv = torch.randn(1, 16, 2, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    torch._dynamo.reset()
+    torch.compile(layer, fullgraph=True, backend=record)(qkv, kv, cu)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("qattn.prefill.default" in t for t in targets) == 2
+    assert sum("qattn.prefill_varlen" in t for t in targets) == 2
