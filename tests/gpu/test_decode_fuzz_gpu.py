@@ -11,6 +11,7 @@ poisoned before the call.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -25,11 +26,14 @@ pytestmark = [
 
 FORMATS = ["bf16", "nvfp4", "mxfp4", "mxfp4_b16", "fp8", "int8", ("int8", "nvfp4"), ("nvfp4", "bf16"),
            ("fp8", "mxfp4")]
-NUM_CASES = 40
+# QATTN_FUZZ_CASES / QATTN_FUZZ_SEED: more cases, or a fresh draw (any other base), for a re-run on shapes
+# nobody has seen; the default draw is the one CI-era runs used
+NUM_CASES = int(os.environ.get("QATTN_FUZZ_CASES", 40))
+SEED_BASE = int(os.environ.get("QATTN_FUZZ_SEED", 5000))
 
 
 def _draw(i: int) -> dict:
-    r = random.Random(5000 + i)
+    r = random.Random(SEED_BASE + i)
     sq = r.choice([1, 1, 2, 3, 5, 8, 16])
     gqa = r.choice([g for g in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) if g * sq <= 256])
     page = r.choice([16, 32, 64, 128, 256])
@@ -41,7 +45,7 @@ def _draw(i: int) -> dict:
     return dict(fmt=r.choice(FORMATS), D=r.choice([64, 128]), hkv=r.randint(1, 4), gqa=gqa, sq=sq, page=page,
                 window=r.choice([64, 128]) if ring else 0, sink=sink, lens=lens,
                 splits=r.choice([1, 2, 5, 40, 0, 0]), causal=r.random() < 0.7, cache_dtype=cache_dtype,
-                q_dtype=cache_dtype, seed=i)
+                q_dtype=cache_dtype, seed=i + SEED_BASE - 5000)
 
 
 CASES = [_draw(i) for i in range(NUM_CASES)]
