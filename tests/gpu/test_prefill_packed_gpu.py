@@ -4,34 +4,17 @@ close to exact attention."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import qattn
+from qattn.reference.attention import attention_reference
+from tests.gpu.test_prefill_gpu import _nrmse
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _exact(q, k, v, causal):
-    """fp64 attention of (B, S, H, D) tensors, GQA by repeating K / V heads; causal aligned to the end."""
-    rep = q.shape[2] // k.shape[2]
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
-    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
-    return (s.softmax(-1) @ vd).transpose(1, 2)
-
-
-def _nrmse(x, r):
-    x, r = x.double(), r.double()
-    return float((x - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt())
 
 
 def _same(a, b):
@@ -47,7 +30,7 @@ def test_qkvpacked_equals_contiguous(causal, pv_dtype):
     got = qattn.flash_attn_qkvpacked_func(qkv, causal=causal, pv_dtype=pv_dtype, return_lse=True)
     q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
     _same(got, qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True))
-    assert _nrmse(got[0], _exact(q, k, v, causal)) < (0.05 if pv_dtype == "fp8" else 0.02)
+    assert _nrmse(got[0], attention_reference(q, k, v, causal=causal)) < (0.05 if pv_dtype == "fp8" else 0.02)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -58,7 +41,7 @@ def test_kvpacked_gqa_equals_contiguous(D):
     got = qattn.flash_attn_kvpacked_func(q, kv, causal=True, return_lse=True)
     k, v = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
     _same(got, qattn.flash_attn_func(q, k, v, causal=True, return_lse=True))
-    assert _nrmse(got[0], _exact(q, k, v, True)) < 0.02
+    assert _nrmse(got[0], attention_reference(q, k, v, causal=True)) < 0.02
 
 
 @pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
@@ -79,5 +62,5 @@ def test_varlen_packed_equal_contiguous(pv_dtype):
     _same(got_kv, got)
     for i in range(len(lens)):
         a, b = int(cu[i]), int(cu[i + 1])
-        ref = _exact(q[None, a:b], k[None, a:b], v[None, a:b], True)[0]
+        ref = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)[0]
         assert _nrmse(got[0][a:b], ref) < (0.05 if pv_dtype == "fp8" else 0.02)
