@@ -40,7 +40,7 @@ def prefill_compile_args():
 
     return ([Int64(0)] * 9 + [Int32(1)] * 9 + [Float32(1.0), Int64(0), Int64(0), Int32(0)]
             + [Int32(1), Int32(1), Int64(0), Int64(0), Int32(0), Int32(0), Int32(0)] + [Int32(1)] * 9
-            + [cute.runtime.make_fake_stream()])
+            + [Int64(0), cute.runtime.make_fake_stream()])
 
 
 def _check_arch(device: torch.device) -> str:
@@ -185,10 +185,12 @@ _split_tail_plan = functools.lru_cache(maxsize=4096)(split_tail_plan)
 
 def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, cu_q, cu_k, batch: int,
             num_seqs: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, Hq: int, Hkv: int, n_qg: int, n_kb: int,
-            softmax_scale: float, v_scale=None, qk_balance=None, window: Window = FULL, pdl: bool = False) -> None:
+            softmax_scale: float, v_scale=None, qk_balance=None, window: Window = FULL, k_mean=None,
+            pdl: bool = False) -> None:
     """``pdl``: the kernel launched just before on this stream is the prepass of these inputs (see the
     kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only. ``window``: the call's
-    :class:`~qattn.interface.window.Window`, whose flags ``cfg.causal`` / ``cfg.local`` are."""
+    :class:`~qattn.interface.window.Window`, whose flags ``cfg.causal`` / ``cfg.local`` are. ``k_mean``:
+    ``cfg.softcap`` only, K's smoothing mean (None: an unsmoothed K)."""
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -207,12 +209,13 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         _prefill_kernel(arch, cfg)(
             addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-            softmax_scale * math.log2(math.e), addr(v_scale), addr(qk_balance),
+            softmax_scale / cfg.softcap if cfg.softcap else softmax_scale * math.log2(math.e), addr(v_scale),
+            addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
             num_full, splits, addr(part), addr(count), int(pdl and count is None), *window.edges,
             *_strides16(q_int8, seqlen_q, Hq),
             *_strides16(k_int8, seqlen_k, Hkv), *_strides16(None if v.dtype == torch.float8_e4m3fn else v, seqlen_k, Hkv),
-            stream_handle(dev))
+            addr(k_mean), stream_handle(dev))
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,6 +240,8 @@ def prefill_int8(
     qk_balance: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    k_mean: Optional[torch.Tensor] = None,
     _tuning: Optional[dict] = None,
     _pdl: bool = False,
 ):
@@ -260,6 +265,10 @@ def prefill_int8(
     fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
+    ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90). It
+    needs ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K (zeros for
+    an unsmoothed K; with a balanced prepass, ``k_mean / qk_balance``): the kernel adds ``q . k_mean`` back to
+    each row's scores before the cap, which, unlike the softmax, is not invariant to it.
     """
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
@@ -301,10 +310,11 @@ def prefill_int8(
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
     window = resolve_window(window_size, causal, Sq, Sk)
+    softcap = _softcap(softcap)
     if _check_arch(dev) == "sm_100a":
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
-        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
+        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning, softcap=softcap)
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
@@ -313,20 +323,21 @@ def prefill_int8(
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse, window=window,
                            softmax_scale=softmax_scale, granularity=granularity)
         return (out, lse) if return_lse else out
+    k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)
     tuning = _tuning or {}  # _tuning: A/B overrides
     long_tile = seqlen_tile_m(D, granularity, pv_dtype, window.causal, "int8", Sk)
     if long_tile is not None and "tile_m" not in tuning:
         tuning = {**tuning, "tile_m": long_tile}
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
                   pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None, local=window.local,
-                  **tuning)
+                  softcap=softcap, **tuning)
 
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             None, None,
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
-            None if qk_balance is None else qk_balance.contiguous(), window, _pdl)
+            None if qk_balance is None else qk_balance.contiguous(), window, k_mean, _pdl)
     return (out, lse) if return_lse else out
 
 
@@ -351,6 +362,8 @@ def prefill_int8_varlen(
     qk_balance: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    k_mean: Optional[torch.Tensor] = None,
     _tuning: Optional[dict] = None,
     _pdl: bool = False,
 ):
@@ -365,7 +378,8 @@ def prefill_int8_varlen(
     :func:`prefill_int8`; ``qk_balance`` (num_seqs, num_kv_heads, head_dim) and ``window_size`` as there.
     ``pv_dtype="fp8"``: ``v`` is the varlen V prepass's V^T (``qattn.quant.v_fp8.quantize_v_fp8_varlen``),
     float8_e4m3fn (num_kv_heads, head_dim, ``varlen_vt_keys(total_k, num_seqs)``) with ``v_scale`` fp32
-    (num_seqs, num_kv_heads, head_dim); ``out_dtype`` as in :func:`prefill_int8`.
+    (num_seqs, num_kv_heads, head_dim); ``out_dtype`` and ``softcap`` as in :func:`prefill_int8`, with ``k_mean``
+    (num_seqs, num_kv_heads, head_dim).
     """
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
@@ -418,21 +432,23 @@ def prefill_int8_varlen(
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
     _check_sm100_options(dev, varlen=True)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
+    softcap = _softcap(softcap)
+    k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
                   varlen=True, pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
-                  local=window.local, **(_tuning or {}))
+                  local=window.local, softcap=softcap, **(_tuning or {}))
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
             cu_seqlens_q.contiguous(),
             cu_seqlens_k.contiguous(), 1, num_seqs, Tq, Tk, max_seqlen_q, Hq, Hkv, n_qg, n_kb, softmax_scale,
             v_scale.contiguous() if fp8 else None, None if qk_balance is None else qk_balance.contiguous(), window,
-            _pdl)
+            k_mean, _pdl)
     return (out, lse) if return_lse else out
 
 
 def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float,
-                   window_size=(-1, -1)):
+                   window_size=(-1, -1), softcap: float = 0.0):
     """The unquantized A/B path of the same kernel (``qk_quant=None``): Q, K, V in one 16-bit dtype, fp32 scores.
     Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
     varlen = cu_q is not None
@@ -447,11 +463,11 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
-    _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
+    _check_sm100_options(q.device, varlen=varlen, qk_quant=None, softcap=softcap)
     window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
                             max_seqlen_k if varlen else k.shape[1])
     cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=window.causal, granularity="per_block",
-                  varlen=varlen, qk_dtype="bf16", local=window.local)
+                  varlen=varlen, qk_dtype="bf16", local=window.local, softcap=_softcap(softcap))
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if varlen:
@@ -512,10 +528,14 @@ def flash_attn_func(
     ``causal=True`` sets right to 0); the K/V tiles left of a query tile's windows are not read (the SM100 kernel's
     window is compile-checked and emulated only: it never ran).
 
+    ``softcap > 0``: FlashAttention's logit soft-capping (Gemma 2, Grok): the scores z = softmax_scale * q.k become
+    ``softcap * tanh(z / softcap)`` before the softmax (SM90; ``tanh.approx`` on the MUFU). One compiled kernel per
+    value (a model has one).
+
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
-    unchanged: ``dropout_p=0.0``, ``softcap=0.0``, ``alibi_slopes=None``; anything else raises
-    NotImplementedError (no soft-capping, ALiBi or dropout here). ``deterministic`` is accepted either way: every
-    launch is deterministic (split units merge in a fixed order).
+    unchanged: ``dropout_p=0.0``, ``alibi_slopes=None``; anything else raises NotImplementedError (no ALiBi or
+    dropout here). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
+    a fixed order).
     """
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
@@ -528,38 +548,82 @@ def flash_attn_func(
 def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk,
                      dropout_p, window_size, softcap, alibi_slopes, deterministic):
     """:func:`flash_attn_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
-    window, softmax_scale = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p,
-                                           window_size, softcap, alibi_slopes, deterministic)
+    window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
+                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         from .torch_ops import prefill_op
 
         out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype,
-                              qk_quant or "none", balance_qk, *window)
+                              qk_quant or "none", balance_qk, *window, softcap=softcap)
     else:
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                          pv_dtype, qk_quant or "none", balance_qk, window)
+                                          pv_dtype, qk_quant or "none", balance_qk, window, softcap)
     return out, lse
 
 
 def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p, window_size, softcap,
                    alibi_slopes, deterministic) -> tuple:
-    """The checks ``flash_attn_func`` and ``flash_attn_varlen_func`` share: (window edges, softmax scale)."""
-    _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic)
+    """The checks ``flash_attn_func`` and ``flash_attn_varlen_func`` share: (window edges, softmax scale,
+    softcap)."""
+    _check_fa_keywords(dropout_p, alibi_slopes, deterministic)
+    softcap = _softcap(softcap)
     window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
     _check_balance(balance_qk, qk_quant)
     _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
-    return window, _softmax_scale(softmax_scale, q.shape[-1])
+    return window, _softmax_scale(softmax_scale, q.shape[-1]), softcap
 
 
-def _check_fa_keywords(dropout_p, softcap, alibi_slopes, deterministic) -> None:
+def _softcap(softcap) -> float:
+    """FlashAttention's ``softcap`` as a float: 0.0 (or None) is off, else a finite positive cap."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
+    return float(softcap)
+
+
+# ``k_mean`` of an internal call whose K was not smoothed (``flash_attn_func(smooth_k=False)``)
+_UNSMOOTHED = object()
+
+
+def _softcap_k_mean(softcap: float, k_mean, shape, dev):
+    """The K smoothing mean a soft-capped int8 kernel adds back (None: none to add), checked. Soft-capping is not
+    invariant to the per-row shift q . k_mean that smoothing takes out of the scores, so a caller of the
+    kernel-level functions must say what it was."""
+    if not softcap:
+        if k_mean is not None and k_mean is not _UNSMOOTHED:
+            raise ValueError("k_mean: only used with softcap > 0")
+        return None
+    if k_mean is _UNSMOOTHED:
+        return None
+    if k_mean is None:
+        raise ValueError("k_mean: softcap > 0 needs K's smoothing mean (quantize_qk_int8's k_mean; zeros for an "
+                         "unsmoothed K): soft-capping is not invariant to the shift smoothing takes out")
+    _check(k_mean, "k_mean", torch.float32, shape, dev)
+    return k_mean.contiguous()
+
+
+def _check_softcap_balance(softcap: float, balance_qk: bool, kernel_quantizes_q: bool) -> None:
+    """softcap with balance_qk needs the kernel that quantizes Q (it reads the balance); before any launch."""
+    if softcap and balance_qk and not kernel_quantizes_q:
+        raise NotImplementedError("softcap: with balance_qk=True only granularity='per_warp' on SM90 (the kernel "
+                                  "that quantizes Q reads the balance the smoothing shift needs)")
+
+
+def _internal_k_mean(softcap: float, k_mean):
+    """What an internal call hands ``prefill_int8`` as ``k_mean``: the prepass's mean, or the unsmoothed marker."""
+    if not softcap:
+        return None
+    return _UNSMOOTHED if k_mean is None else k_mean
+
+
+def _check_fa_keywords(dropout_p, alibi_slopes, deterministic) -> None:
     """FlashAttention's keywords that qattn takes only at their "off" values (see :func:`flash_attn_func`)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise NotImplementedError(f"dropout_p: qattn's prefill is for inference; 0.0 only, got {dropout_p!r}")
-    if softcap not in (0, None) or isinstance(softcap, bool):  # (0.0 == 0)
-        raise NotImplementedError(f"softcap: score soft-capping is not implemented; 0.0 only, got {softcap!r}")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented; None only")
     if not isinstance(deterministic, bool):
@@ -581,40 +645,47 @@ def _check_balance(balance_qk, qk_quant) -> None:
 
 
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
-                           pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1)):
+                           pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
+                           softcap: float = 0.0):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
-        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
+        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant,
+                             softcap=softcap)
     if qk_quant == "none":
-        return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale, window)
+        return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale, window, softcap)
 
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
 
         _check_v(v)  # before any launch: head_dim 64 / 128
     lam = None  # the channel balance, for a kernel that quantizes Q itself
-    if _kernel_quantizes_q(q, granularity):
+    quantizes_q = _kernel_quantizes_q(q, granularity)
+    _check_softcap_balance(softcap, balance_qk, quantizes_q)
+    if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
-        k8, ks, _, *lam = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K, balance_q=q if balance_qk else None)
+        k8, ks, k_mean, *lam = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K,
+                                               balance_q=q if balance_qk else None)
         lam = lam[0] if lam else None
     else:  # a prepass-quantized Q carries the balance (Q K^T of the balanced Q and K is the same)
-        q8, qs, k8, ks, *_ = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                              warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
+        q8, qs, k8, ks, k_mean = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                                  warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)[:5]
+    k_mean = _internal_k_mean(softcap, k_mean)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
         vt, vs = quantize_v_fp8(v, _pdl=True)  # right after the K (or Q / K) prepass, which does not write v
         return prefill_int8(q8, qs, k8, ks, vt, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                             return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
-                            window_size=window, _pdl=True)
+                            window_size=window, softcap=softcap, k_mean=k_mean, _pdl=True)
     # _pdl: the prepass launched just before (K only, or K then Q) lets the attention grid start early
     return prefill_int8(q8, qs, k8, ks, v, causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                        return_lse=True, qk_balance=lam, window_size=window, _pdl=True)
+                        return_lse=True, qk_balance=lam, window_size=window, softcap=softcap, k_mean=k_mean,
+                        _pdl=True)
 
 
 def flash_attn_varlen_func(
@@ -699,51 +770,55 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size, softcap,
                             alibi_slopes, deterministic):
     """:func:`flash_attn_varlen_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
-    window, softmax_scale = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p,
-                                           window_size, softcap, alibi_slopes, deterministic)
+    window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
+                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if torch.compiler.is_compiling():
         from .torch_ops import prefill_varlen_op
 
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                     qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype)
+                                     qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype, softcap=softcap)
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                                 qk_quant or "none", balance_qk, window, pv_dtype)
+                                                 qk_quant or "none", balance_qk, window, pv_dtype, softcap)
     return out, lse
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                                   qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
-                                  pv_dtype: str = "bf16"):
+                                  pv_dtype: str = "bf16", softcap: float = 0.0):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
-        _check_sm100_options(q.device, varlen=True)
+        _check_sm100_options(q.device, varlen=True, softcap=softcap)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
 
         _check_v(v.unsqueeze(0))  # before any launch: head_dim 64 / 128
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                              window)
+                              window, softcap)
 
     lam = None
-    if _kernel_quantizes_q(q, granularity):
+    quantizes_q = _kernel_quantizes_q(q, granularity)
+    _check_softcap_balance(softcap, balance_qk, quantizes_q)
+    if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
         _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
-        k8, ks, _, *lam = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K,
+        k8, ks, k_mean, *lam = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K,
                                                  balance_q=q if balance_qk else None, cu_seqlens_q=cu_seqlens_q,
                                                  max_seqlen_q=max_seqlen_q)
         lam = lam[0] if lam else None
     else:
-        q8, qs, k8, ks, *_ = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                     granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                                     warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)
+        q8, qs, k8, ks, k_mean = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                         max_seqlen_k, granularity=granularity, smooth_k=smooth_k,
+                                                         block_q=BLOCK_Q, warp_q=WARP_Q, block_k=BLOCK_K,
+                                                         balance_qk=balance_qk)[:5]
+    k_mean = _internal_k_mean(softcap, k_mean)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8_varlen
 
@@ -752,10 +827,11 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         return prefill_int8_varlen(q8, qs, k8, ks, vt, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal, softmax_scale=softmax_scale, granularity=granularity,
                                    return_lse=True, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype, qk_balance=lam,
-                                   window_size=window, _pdl=True)
+                                   window_size=window, softcap=softcap, k_mean=k_mean, _pdl=True)
     return prefill_int8_varlen(q8, qs, k8, ks, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal=causal, softmax_scale=softmax_scale, granularity=granularity,
-                               return_lse=True, qk_balance=lam, window_size=window, _pdl=True)
+                               return_lse=True, qk_balance=lam, window_size=window, softcap=softcap, k_mean=k_mean,
+                               _pdl=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -784,12 +860,13 @@ def _build_prefill(cfg: PrefillConfig, arch: str):
 
 @register("prefill")
 def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool = False,
-                      sliding_window: bool = False, **_) -> list:
+                      sliding_window: bool = False, softcaps=None, **_) -> list:
     """The SM90 INT8-QK prefill variants ``flash_attn_func`` / ``flash_attn_varlen_func`` compile: head_dim x
     V dtype x causal x q-scale granularity x (dense, varlen) x (16-bit, fp8 P.V), default tuning (the runtime
     key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them. ``balance_qk``:
     also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``). ``sliding_window``: also
-    each one's ``window_size`` twin (``PrefillConfig.local``: a left window edge; the right one is ``causal``)."""
+    each one's ``window_size`` twin (``PrefillConfig.local``: a left window edge; the right one is ``causal``).
+    ``softcaps``: also each one's twin per ``softcap`` value (SM90; one kernel per value)."""
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
@@ -818,6 +895,7 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
                                 twins.append((dataclasses.replace(cfg, balance_qk=True), label + " balance_qk"))
                             if sliding_window:
                                 twins += [(_local_twin(c), lab + " window") for c, lab in twins]
+                            twins += _softcap_twins(twins, softcaps)
                             out += [Variant("prefill", (arch,) + c.key, lab, lambda c=c: _build_prefill(c, arch))
                                     for c, lab in twins]
                 for varlen in (False, True):  # qk_quant=None, the unquantized A/B path
@@ -825,9 +903,16 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
                                         varlen=varlen, qk_dtype="bf16")
                     label = f"D{d} {vd} {'causal' if causal else 'full'} qk-16bit{' varlen' if varlen else ''}"
                     twins = [(cfg, label)] + ([(_local_twin(cfg), label + " window")] if sliding_window else [])
+                    twins += _softcap_twins(twins, softcaps)
                     out += [Variant("prefill", (arch,) + c.key, lab, lambda c=c: _build_prefill(c, arch))
                             for c, lab in twins]
     return out
+
+
+def _softcap_twins(twins: list, softcaps) -> list:
+    """The ``softcap`` twins of (config, label) pairs, one per positive value of ``softcaps``."""
+    return [(dataclasses.replace(c, softcap=float(sc)), f"{lab} softcap {float(sc):g}")
+            for sc in (softcaps or ()) if sc for c, lab in twins]
 
 
 def _local_twin(cfg: PrefillConfig) -> PrefillConfig:

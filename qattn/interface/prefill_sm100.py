@@ -5,7 +5,8 @@ kernel is compile-checked for sm_100a and emulated on the CPU (``qattn.cute_kern
 The caller's tensors were validated by ``prefill.py`` already (shapes, dtypes, the prepass's scale shapes,
 which are the same on SM90 and SM100); this adds the SM100 kernel's own limits and launches it from the shared
 ``"prefill"`` compile cache with arch ``"sm_100a"``. What the SM100 kernel does not do raises here, never
-falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides.
+falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, soft-capping, tuning
+overrides.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
-                                tuning: Optional[dict] = None) -> None:
+                                tuning: Optional[dict] = None, softcap: float = 0.0) -> None:
     """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
+    if softcap:
+        raise NotImplementedError(f"softcap: {softcap!r}: logit soft-capping is implemented on SM90 only; the SM100 "
+                                  "prefill kernel takes softcap=0.0")
     if varlen:
         raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
                                   "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "

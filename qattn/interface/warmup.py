@@ -37,7 +37,8 @@ def _filters(args) -> dict:
     return {"kv_formats": _csv(args.kv_formats), "head_dims": _ints(args.head_dims), "gqa": _ints(args.gqa),
             "page_sizes": _ints(args.page_sizes), "seqlen_q": _ints(args.seqlen_q),
             "recent_windows": _ints(args.recent_windows), "sink_tokens": _ints(args.sink_tokens),
-            "q_dtypes": _csv(args.q_dtypes), "balance_qk": args.balance_qk, "sliding_window": args.sliding_window}
+            "q_dtypes": _csv(args.q_dtypes), "balance_qk": args.balance_qk, "sliding_window": args.sliding_window,
+            "softcaps": [float(x) for x in _csv(args.softcap)] if args.softcap else None}
 
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
                    help="prefill: also the kernels of balance_qk=True (channel balancing of the INT8 Q/K prepass)")
     p.add_argument("--sliding-window", action="store_true",
                    help="prefill, decode: also the kernels of window_size (sliding-window attention)")
+    p.add_argument("--softcap", default=None,
+                   help="prefill (SM90): also the kernels of these softcap values, a comma list (e.g. 50 for Gemma 2)")
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")
     p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")

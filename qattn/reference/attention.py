@@ -25,6 +25,7 @@ def attention_reference(
     kv_lens: torch.Tensor | None = None,
     return_lse: bool = False,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Dense attention in float64. q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA:
     query head h reads kv head h // (Hq // Hkv)).
@@ -32,8 +33,9 @@ def attention_reference(
     ``kv_lens`` (B,) limits each sequence's keys to its first kv_lens[b]. The causal mask is aligned to the
     end (FlashAttention's convention): query i sees keys j <= i + len_k - Sq. ``window_size=(left, right)``:
     FlashAttention's sliding window, keys i + len_k - Sq - left <= j <= i + len_k - Sq + right (-1 or None:
-    unbounded; ``causal`` sets right to 0). A row that sees no key gives out = 0 and lse = -inf. Returns out (B, Sq, Hq, D) float64 and, with ``return_lse``, the natural-log
-    LSE (B, Hq, Sq) of the scaled scores.
+    unbounded; ``causal`` sets right to 0). ``softcap > 0``: FlashAttention's soft-capping, the scaled scores z
+    become softcap * tanh(z / softcap). A row that sees no key gives out = 0 and lse = -inf. Returns out (B, Sq,
+    Hq, D) float64 and, with ``return_lse``, the natural-log LSE (B, Hq, Sq) of the (capped) scaled scores.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q: q, k and v must be 4-d (batch, seqlen, heads, head_dim)")
@@ -49,6 +51,8 @@ def attention_reference(
     kd = k.double().permute(0, 2, 1, 3).repeat_interleave(g, dim=1)  # B Hq Sk D
     vd = v.double().permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
     s = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # B Hq Sq Sk
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     lens = (torch.full((B,), Sk, device=q.device) if kv_lens is None else kv_lens.to(q.device).long())
     j = torch.arange(Sk, device=q.device)
     mask = j[None, :] < lens[:, None]  # B Sk

@@ -377,3 +377,25 @@ def test_sliding_window_config():
     with pytest.raises(ValueError, match="split_tail"):
         PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", local=True, split_tail=True)
     assert not PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", local=True).split_tail
+
+
+@pytest.mark.parametrize("D,causal,varlen,pv,qk", [(128, True, False, "bf16", "int8"), (64, False, True, "bf16", "int8"),
+                                                   (128, False, False, "fp8", "int8"), (64, True, False, "bf16", "bf16")])
+def test_softcap_variant_compiles(D, causal, varlen, pv, qk):
+    """``softcap``: its own key per value; one ``tanh.approx.f32`` per score and per row max (first tile and
+    loop: 2 x (64 + 2) per thread), the same MMAs as without it, no local memory."""
+    kw = dict(head_dim=D, v_dtype="bf16", causal=causal, granularity="per_warp" if qk == "int8" else "per_block",
+              varlen=varlen, pv_dtype=pv, qk_dtype=qk, quantize_q=qk == "int8")
+    cfg, plain = PrefillConfig(**kw, softcap=30.0), PrefillConfig(**kw)
+    assert len({cfg.key, plain.key, PrefillConfig(**kw, softcap=50).key}) == 3
+    ptx, plain_ptx = _compile(cfg), _compile(plain)
+    assert ptx_count(ptx, r"tanh\.approx\.f32") == 2 * (64 + 2)  # a 64-row x 128-key tile: 64 scores per thread
+    assert not ptx_has(plain_ptx, "tanh.approx")
+    assert ptx_count(ptx, "wgmma.mma_async") == ptx_count(plain_ptx, "wgmma.mma_async")
+    assert not ptx_has(ptx, "ld.local") and not ptx_has(ptx, "st.local"), "register spills"
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "30"])
+def test_softcap_config_rejects(bad):
+    with pytest.raises(ValueError, match="softcap"):
+        PrefillConfig(head_dim=128, v_dtype="bf16", causal=False, granularity="per_warp", softcap=bad)

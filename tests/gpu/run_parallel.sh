@@ -1,7 +1,7 @@
 #!/bin/bash
 # Parallel GPU test run on a lent machine (carry .gpu), in two parts that each fit one 10-minute device call:
 #   PART=1 T=540 bash tests/gpu/run_parallel.sh   # decode (+ sliding window), KV insert, FP4 rows, INT8 prepass, graphs, memcheck
-#   PART=2 T=540 bash tests/gpu/run_parallel.sh   # prefill (split by topic, sliding window, FP8 P.V varlen, launch plans, packed forms), channel balancing, compile cache
+#   PART=2 T=540 bash tests/gpu/run_parallel.sh   # prefill (split by topic, sliding window, softcap, FP8 P.V varlen, launch plans, packed forms), channel balancing, compile cache
 # (no PART: both parts at once, ~16 processes: for a machine with the cores and the time). Several pytest
 # processes share the process-safe disk compile cache; logs land in $OUT (or ./gpu_logs), one summary per log.
 source .gpu/activate.sh
@@ -30,7 +30,7 @@ if [ -z "$PART" ] || [ "$PART" = 2 ]; then
   run p5 $P $F -k "not fp8 and not error_vs_same and not quantized_q_equals and not split_tail and not warpgroup_skip and not long_causal"
   run p6 $P $F -k "split_tail"
   run p7 $P tests/gpu/test_prefill_fuzz_gpu.py
-  run w1 $P tests/gpu/test_prefill_window_gpu.py
+  run w1 $P tests/gpu/test_prefill_window_gpu.py tests/gpu/test_prefill_softcap_gpu.py
   run p8 $P tests/gpu/test_prefill_fp8_varlen_gpu.py tests/gpu/test_launch_plan_gpu.py tests/gpu/test_prefill_packed_gpu.py
   run b1 $P tests/gpu/test_qk_balance_gpu.py tests/gpu/test_compile_cache_gpu.py
 fi

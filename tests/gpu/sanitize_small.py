@@ -130,6 +130,14 @@ def _prefill(g) -> None:
                                            pv_dtype="fp8")
         assert torch.isfinite(out).all()
     print("prefill sliding windows ran")
+    for kw in (dict(), dict(pv_dtype="fp8"), dict(granularity="per_block"), dict(balance_qk=True),
+               dict(qk_quant=None), dict(window_size=(100, 0))):  # softcap: the K mean read per row
+        assert torch.isfinite(qattn.flash_attn_func(q, k, v, causal=True, softcap=2.0, **kw)).all()
+    for pv in ("bf16", "fp8"):
+        out = qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, softcap=2.0,
+                                           pv_dtype=pv)
+        assert torch.isfinite(out).all()
+    print("prefill softcap ran")
 
 
 def _replays(g) -> None:

@@ -26,17 +26,17 @@ def test_layout_follows_the_signature(prefill_fn):
     f = FastLaunch(prefill_fn)
     # 9 addresses, 9 sizes, the softmax scale, the fp8 V-scale and channel-balance addresses, the causal grouping, the
     # split tail's plan (whole units, splits) and buffers (partials, counters), the pdl flag, the window's left and
-    # right edges, the Q / K / V strides, the stream
+    # right edges, the Q / K / V strides, the soft-cap's K mean address, the stream
     assert f._ctypes == ([ctypes.c_int64] * 9 + [ctypes.c_int32] * 9
                          + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
                          + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
                          + [ctypes.c_int32, ctypes.c_int32]
-                         + [ctypes.c_int32] * 9 + [ctypes.c_void_p])
+                         + [ctypes.c_int32] * 9 + [ctypes.c_int64, ctypes.c_void_p])
     assert fast(prefill_fn) is fast(prefill_fn)
 
 
 def test_wrong_argument_count_is_rejected_before_any_launch(prefill_fn):
-    with pytest.raises(TypeError, match="expected 39 arguments"):
+    with pytest.raises(TypeError, match="expected 40 arguments"):
         FastLaunch(prefill_fn)(1, 2, 3)
 
 

@@ -64,9 +64,10 @@ def test_flash_attn_func_rejects_unimplemented_modes():
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_flash_attn_keywords_at_their_off_values(varlen):
-    """FlashAttention's dropout_p / window_size / softcap / alibi_slopes / deterministic: the "off" values pass
-    through (the call then fails only for want of a GPU), anything else is a NotImplementedError naming the
-    argument, before any launch."""
+    """FlashAttention's dropout_p / window_size / softcap / alibi_slopes / deterministic: the "off" values (and
+    the implemented window_size / softcap values) pass through (the call then fails only for want of a GPU);
+    dropout and ALiBi are a NotImplementedError naming the argument, a bad softcap a ValueError, before any
+    launch."""
     from qattn.interface.prefill import flash_attn_varlen_func
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
@@ -79,6 +80,7 @@ def test_flash_attn_keywords_at_their_off_values(varlen):
 
     for off in (dict(dropout_p=0.0), dict(window_size=(-1, -1)), dict(window_size=(None, None)),
                 dict(window_size=[-1, -1]), dict(softcap=0.0), dict(softcap=None), dict(alibi_slopes=None),
+                dict(softcap=30.0), dict(softcap=50), dict(softcap=1e-3),  # soft-capping is implemented (SM90)
                 dict(deterministic=True), dict(dropout_p=0, window_size=(-1, -1), softcap=0.0, deterministic=False),
                 # sliding windows are implemented: these too fail only for want of a GPU
                 dict(window_size=(128, 0)), dict(window_size=(-1, 0)), dict(window_size=(3, 5)),
@@ -86,9 +88,12 @@ def test_flash_attn_keywords_at_their_off_values(varlen):
         with pytest.raises(ValueError, match="CUDA"):
             call(**off)
     for on, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(dropout_p=True), "dropout_p"),
-                     (dict(softcap=30.0), "softcap"), (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
+                     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
         with pytest.raises(NotImplementedError, match=name):
             call(**on)
+    for bad in (-1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="softcap"):
+            call(softcap=bad)
     for bad in (4, (1, 2, 3), (-2, 0), (1.5, 0), (True, 0), ("8", 0), None):
         with pytest.raises(ValueError, match="window_size"):
             call(window_size=bad)

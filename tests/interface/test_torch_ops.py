@@ -78,6 +78,26 @@ def test_windowed_steps_trace_with_their_window():
     assert tuple(decode.args[-2:]) == (16, 0) and tuple(prefill.args[-2:]) == (32, 0)
 
 
+def test_softcap_reaches_the_prefill_ops():
+    """softcap reaches the dense and varlen prefill ops (one graph, no break)."""
+    graphs, record = _recorder()
+    qp = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
+    kp = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+
+    def step(qp, kp, cu):
+        return (qattn.flash_attn_func(qp, kp, kp, causal=True, softcap=30.0),
+                qattn.flash_attn_varlen_func(qp[0], kp[0], kp[0], cu, cu, 34, 34, softcap=50.0))
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=record)(qp, kp, cu)
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "qattn" in str(n.target)]
+    dense = next(n for n in calls if str(n.target).endswith("qattn.prefill.default"))
+    varlen = next(n for n in calls if "prefill_varlen" in str(n.target))
+    assert dense.kwargs["softcap"] == 30.0 and varlen.kwargs["softcap"] == 50.0
+
+
 def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

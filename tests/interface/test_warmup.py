@@ -218,3 +218,24 @@ def test_balance_qk_variants_are_the_runtime_ones(capsys):
     assert warmup.main(["--arch", "sm_90a", "--dry-run", "--kernels", "qk_int8_kmean", "--head-dims", "64",
                         "--balance-qk"]) == 0
     assert "16 variants" in capsys.readouterr().out
+
+
+def test_softcap_variants_are_the_runtime_ones(capsys):
+    """--softcap 50 adds, for every SM90 prefill variant, its twin with softcap=50.0 (the key prefill_int8 uses for
+    flash_attn_func(softcap=50)); none on sm_100a, whose kernel has no soft-capping."""
+    from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
+
+    def keys(**kw):
+        return [v.key for v in variants.enumerate_variants("prefill", "sm_90a", head_dims=[64], **kw)]
+
+    plain, capped = keys(), keys(softcaps=[50.0])
+    assert len(capped) == 2 * len(plain) and set(plain) < set(capped)
+    want = ("sm_90a",) + PrefillConfig(head_dim=64, v_dtype="bf16", causal=True, granularity="per_warp",
+                                       varlen=True, quantize_q=True, softcap=50.0).key
+    assert want in capped and want not in plain
+    assert len(keys(softcaps=[50.0, 30.0], sliding_window=True)) == 3 * len(keys(sliding_window=True))
+    assert (len(variants.enumerate_variants("prefill", "sm_100a", head_dims=[64], softcaps=[50.0]))
+            == len(variants.enumerate_variants("prefill", "sm_100a", head_dims=[64])))
+    assert warmup.main(["--arch", "sm_90a", "--dry-run", "--kernels", "prefill", "--head-dims", "64",
+                        "--q-dtypes", "bf16", "--softcap", "50"]) == 0
+    assert f"{2 * len(keys(q_dtypes=['bf16']))} variants" in capsys.readouterr().out

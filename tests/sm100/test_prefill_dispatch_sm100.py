@@ -101,6 +101,8 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.flash_attn_func(q, k, v, pv_dtype="fp8")
     with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
         qattn.flash_attn_func(q, k, v, qk_quant=None)
+    with pytest.raises(NotImplementedError, match="softcap: 30.0: logit soft-capping is implemented on SM90 only"):
+        qattn.flash_attn_func(q, k, v, softcap=30.0)
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
         qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
@@ -110,6 +112,8 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, _tuning={"kv_stages": 3})
     with pytest.raises(ValueError, match="window_size"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(-5, 0))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=50.0)
     with pytest.raises(NotImplementedError, match="varlen"):
         qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
                                                     torch.tensor([0, 200], dtype=torch.int32),

@@ -200,6 +200,9 @@ class PrefillConfig:
     # are masked and the K/V tiles wholly left of a CTA's windows never loaded; with ``causal`` the right edge
     # moves to j <= i + seqlen_k - seqlen_q + window_right (runtime). Without it the window arguments are unused.
     local: bool = False
+    # FlashAttention's ``softcap``: the logits z = scale * q.k become softcap * tanh(z / softcap) before the
+    # softmax (Gemma 2, Grok). A compile-time constant (a model has one value); 0.0: off
+    softcap: float = 0.0
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -243,6 +246,10 @@ class PrefillConfig:
                              "prepass-quantized Q carries it already")
         if self.bias_in_acc and self.qk_dtype != "int8":
             raise ValueError("bias_in_acc: only the int8 QK scores carry the bias")
+        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                or not 0.0 <= self.softcap < float("inf")):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", float(self.softcap))
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 
@@ -264,4 +271,5 @@ class PrefillConfig:
                       if on)
         return ("prefill_int8", self.head_dim, *qk, self.v_dtype, pv, self.causal,
                 self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.varlen, self.kv_stages, self.pingpong, self.tile_m,
-                self.tile_n, "quantize_q" if self.quantize_q else "q_int8") + flags
+                self.tile_n, "quantize_q" if self.quantize_q else "q_int8") + flags + (
+                    (("softcap", self.softcap),) if self.softcap else ())

@@ -75,6 +75,11 @@ and O together: there one turn issues P V(n-1), waits for it, refills the score 
 interleaved A/B vs 128 rows with the overlap, outputs bit-identical: D128 S8K 0.96-0.98x the time, S16K
 0.92-0.93x, FP8 P x V 0.89-0.98x; causal 16-bit P x V mixed (0.97-1.04x), so it keeps 128 rows.
 
+``softcap`` (FlashAttention's logit soft-capping, a compile-time constant): the host's scale is softmax_scale /
+softcap, each score goes through ``tanh.approx.f32`` before its exp2 (masked ones kept at -inf), the tile max
+through the same tanh (tanh is increasing); with int8 Q K^T each row adds back the shift q . k_mean that K's
+smoothing took out of its scores (``_row_mean_logits``: the cap, unlike the softmax, is not invariant to it).
+
 ``bias_in_acc`` (default with int8 Q K): the score registers are set to the bias bits (16 shared loads) once P has
 left them and Q K^T accumulates onto them, so no integer add per score converts the int32 scores
 (``_bias_scores``, ``_scores``).
@@ -183,6 +188,13 @@ def _f32_from_bits(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def _tanh_approx(x, *, loc=None, ip=None) -> Float32:
+    """tanh on the MUFU (``tanh.approx.f32``; max relative error ~2^-11): the soft-cap's."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
+                                   has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def _lds_volatile_b32x4(addr, *, loc=None, ip=None):
     """Four 32-bit words from shared memory (a volatile load: neither merged with nor hoisted over another)."""
     st = llvm.StructType.get_literal([T.i32()] * 4)
@@ -269,7 +281,7 @@ class QKInt8PrefillSm90:
         v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32,
         part_addr: Int64, count_addr: Int64, pdl: Int32, window_left: Int32, window_right: Int32,
         q_row16: Int32, q_head16: Int32, q_batch16: Int32, k_row16: Int32, k_head16: Int32, k_batch16: Int32,
-        v_row16: Int32, v_head16: Int32, v_batch16: Int32, stream: cuda.CUstream,
+        v_row16: Int32, v_head16: Int32, v_batch16: Int32, k_mean_addr: Int64, stream: cuda.CUstream,
     ):
         """Dense: ``batch`` = ``num_seqs`` sequences of ``seqlen_q`` (= ``max_seqlen_q``) / ``seqlen_k`` rows.
         Varlen: ``batch`` = 1, ``seqlen_q`` / ``seqlen_k`` = total rows of the packed tensors, ``num_seqs``
@@ -296,7 +308,11 @@ class QKInt8PrefillSm90:
         ``griddepcontrol.launch_dependents``): the CTAs then load and quantize their 16-bit Q tile while the
         prepass finishes, and wait (``griddepcontrol.wait``) before reading anything it wrote (int8 K or Q,
         scales, FP8 V^T, channel balance). Q itself must not come from that kernel; ``flash_attn_func`` sets it,
-        a direct call of ``prefill_int8`` does not."""
+        a direct call of ``prefill_int8`` does not.
+
+        ``softcap`` (compile time) with int8 Q K^T: ``k_mean_addr`` is K's smoothing mean, fp32 (num_seqs,
+        num_kv_heads, head_dim), or 0 for an unsmoothed K: soft-capping is not invariant to the per-row shift
+        q . k_mean that smoothing takes out of the scores, so each row adds it back (``_row_mean_logits``)."""
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -385,9 +401,9 @@ class QKInt8PrefillSm90:
         split = (num_full_units, tail_splits, part_addr, count_addr)
         if cutlass.const_expr(self.fp8):
             launcher = self.kernel_fp8(*args, mma_pv0, v_scale_addr, qk_balance_addr, lpt_group, *split, window_left,
-                                       window_right)
+                                       window_right, k_mean_addr)
         else:
-            launcher = self.kernel(*args, qk_balance_addr, lpt_group, *split, window_left, window_right)
+            launcher = self.kernel(*args, qk_balance_addr, lpt_group, *split, window_left, window_right, k_mean_addr)
         grid = (num_m_blocks, num_heads, num_seqs)
         if cutlass.const_expr(cfg.split_tail):  # 1-D: whole waves of units, then the split units' CTAs
             grid = (num_full_units + (num_m_blocks * num_heads * num_seqs - num_full_units) * tail_splits, 1, 1)
@@ -411,9 +427,10 @@ class QKInt8PrefillSm90:
         cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, seqlen_q: Int32, seqlen_k: Int32,
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         qk_balance_addr: Int64, lpt_group: Int32, num_full_units: Int32, tail_splits: Int32, part_addr: Int64,
-        count_addr: Int64, window_left: Int32, window_right: Int32,
+        count_addr: Int64, window_left: Int32, window_right: Int32, k_mean_addr: Int64,
     ):
         """16-bit P x V (``pv_dtype="bf16"``)."""
+        self._k_mean_addr = k_mean_addr
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, None, None,
@@ -432,9 +449,10 @@ class QKInt8PrefillSm90:
         num_heads: Int32, num_kv_heads: Int32, num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32,
         mma_pv0: cute.TiledMma, v_scale_addr: Int64, qk_balance_addr: Int64, lpt_group: Int32,
         num_full_units: Int32, tail_splits: Int32, part_addr: Int64, count_addr: Int64, window_left: Int32,
-        window_right: Int32,
+        window_right: Int32, k_mean_addr: Int64,
     ):
         """FP8 P x V (``pv_dtype="fp8"``): one more MMA copy (zero-initialising) and the V scales."""
+        self._k_mean_addr = k_mean_addr
         self._body(mma_qk, mma_qk_acc, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
                    sQin_layout, o_addr, lse_addr, q_scale_addr, k_scale_addr, cu_seqlens_q_addr, cu_seqlens_k_addr, seqlen_q,
                    seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks, scale_log2, mma_pv0, v_scale_addr,
@@ -505,6 +523,10 @@ class QKInt8PrefillSm90:
                                         cute.make_layout(cute.cosize(sQ_layout) // 4)))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        self._sq_words = None  # softcap with int8 Q K^T: the int8 Q tile as 32-bit words (``_row_mean_logits``)
+        if cutlass.const_expr(self.cfg.softcap > 0.0 and self.int8_qk):
+            self._sq_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Uint32),
+                                              cute.make_layout(cute.cosize(sQ_layout) // 4))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.nw)  # one arrive per MMA warp
@@ -691,6 +713,9 @@ class QKInt8PrefillSm90:
                                    cute.make_layout(1 << 30))
             ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
             qs_log2 = q_scale * scale_log2
+        self._bq = None
+        if cutlass.const_expr(cfg.softcap > 0.0 and self.int8_qk):
+            self._bq = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr)
         # causal: row i sees keys j <= i + diag (diag includes window_right in a local kernel); local: keys
         # j >= i + seqlen_k - seqlen_q - window_left too (``mask_diag``: what ``_scores`` takes, diag or (diag,
         # window): the lower bound's offset is recomputed from the kernel's window arguments where it is used,
@@ -1049,6 +1074,40 @@ class QKInt8PrefillSm90:
         return k_tok, v_tok
 
     @cute.jit
+    def _row_mean_logits(self, sQ_layout, ctid, head_row, qs_log2, qk_balance_addr):
+        """``softcap``: per row of this thread (r0, r0 + 8), the score shift that K's smoothing took out, in the
+        kernel's pre-tanh units: qs_log2 * sum_c q_int8[r, c] * k_mean[c] (/ qk_balance[c] with ``balance_qk``,
+        whose K was divided by it), from the int8 Q tile in shared memory (the Q the scores use) and the mean
+        (``_k_mean_addr``; 0: an unsmoothed K, no shift). The four lanes of a quad split the columns. Once per CTA."""
+        D = self.D
+        gmem = cute.AddressSpace.gmem
+        bq = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        bq.fill(0.0)
+        if self._k_mean_addr != Int64(0):
+            mean = cute.make_tensor(cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=4) + head_row * D,
+                                    cute.make_layout(D))
+            lam = None
+            if cutlass.const_expr(self.cfg.balance_qk):
+                lam = cute.make_tensor(cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4) + head_row * D,
+                                       cute.make_layout(D))
+            t = ctid % 4
+            r0 = _first_row(ctid)
+            for i in cutlass.range_constexpr(2):
+                dot = Float32(0.0)
+                for w in cutlass.range_constexpr(D // 16):  # this lane's D / 4 columns, 4 per 32-bit word
+                    c0 = t * (D // 4) + 4 * w
+                    word = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0 + 8 * i, c0, 1) // 4])
+                    for e in cutlass.range_constexpr(4):
+                        q8 = (word << (24 - 8 * e)) >> 24  # byte e, sign-extended
+                        m = mean[c0 + e]
+                        if cutlass.const_expr(lam is not None):
+                            m = m / lam[c0 + e]
+                        dot = dot + Float32(q8) * m
+                dot = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=4)
+                bq[i] = qs_log2 * dot
+        return bq
+
+    @cute.jit
     def _quantize_q(self, q_words, sQin_layout, sQ_layout, ctid, m_block, seqlen_q, lam_row=None) -> Float32:
         """``quantize_q``: quantize this warp's 16 query rows (its per_warp q-scale group = the rows of its wgmma
         accumulator) from the 16-bit staging tile into the int8 Q tile, and return the group's scale.
@@ -1264,10 +1323,14 @@ class QKInt8PrefillSm90:
         16-bit P x V keeps the old max unless the tile's exceeds it by more than LAZY_RESCALE_LOG2 (then corr is
         exactly 1 and the caller skips the O rescale); FP8 P x V (P scaled to E4M3's top) always moves it. Max
         and sum are trees (short dependency chains; the 16-bit P x V max an integer one, see below). A quad of
-        lanes shares each row."""
+        lanes shares each row. ``softcap``: x = softcap * log2 e * tanh((s - bias) * scale + bq) per score and for
+        the max (``scale`` then gives z / softcap; ``bq``, the row's smoothing shift, ``_row_mean_logits``)."""
         s_mn = cute.make_tensor(s.iterator, s_rc)
         bits_mn = cute.make_tensor(cute.recast_tensor(s, Int32).iterator, s_rc)
         bias = Float32(self.score_bias)
+        # softcap: ``scale`` gives z / softcap (the host passes softmax_scale / softcap), the log2-domain logit is
+        # softcap * log2 e * tanh(z / softcap)
+        softcap_log2 = self.cfg.softcap * math.log2(math.e)
         # A zero scale (an all-zero q group or k block: all its scores are exactly 0) would turn masked -inf
         # scores into NaN; the smallest normal float keeps 0 -> 0 and -inf -> -inf.
         scale = cute.arch.fmax(scale, Float32(1.1754943508222875e-38))
@@ -1282,6 +1345,11 @@ class QKInt8PrefillSm90:
                 mx = _tree([s_mn[i, j] for j in range(ncol)], cute.arch.fmax)
                 mx = cute.arch.warp_reduction(mx, cute.arch.fmax, threads_in_group=4)
             m_tile = (mx - bias) * scale  # exact subtract: both in [2^23, 2^24) (or -inf)
+            if cutlass.const_expr(softcap_log2 > 0.0):  # tanh is increasing: the capped max is the max's cap
+                if cutlass.const_expr(self._bq is not None):  # K's smoothing shift back (``_row_mean_logits``)
+                    m_tile = m_tile + self._bq[i]
+                m_tile = cutlass.select_(mx == -Float32.inf, -Float32.inf,
+                                         Float32(softcap_log2) * _tanh_approx(m_tile))
             m_new = cute.arch.fmax(row_max[i], m_tile)
             if cutlass.const_expr(not self.fp8):
                 if m_tile <= row_max[i] + Float32(LAZY_RESCALE_LOG2):
@@ -1294,9 +1362,18 @@ class QKInt8PrefillSm90:
             if cutlass.const_expr(self.fp8):  # p = 448 * exp2(x - m): the P scale folded into the offset
                 m_use = m_use - Float32(P_FP8_LOG2_SCALE)
             offset = bias * scale + m_use
+            if cutlass.const_expr(softcap_log2 > 0.0):
+                offset = bias * scale
+                if cutlass.const_expr(self._bq is not None):
+                    offset = offset - self._bq[i]
             ps = []
             for j in cutlass.range_constexpr(ncol):
-                p = cute.math.exp2(s_mn[i, j] * scale - offset, fastmath=True)
+                x = s_mn[i, j] * scale - offset
+                if cutlass.const_expr(softcap_log2 > 0.0):  # softcap * tanh(z / softcap) in log2 units; masked
+                    # scores (-inf) stay -inf (tanh would make them -softcap)
+                    x = cutlass.select_(s_mn[i, j] == -Float32.inf, -Float32.inf,
+                                        Float32(softcap_log2) * _tanh_approx(x) - m_use)
+                p = cute.math.exp2(x, fastmath=True)
                 s_mn[i, j] = p
                 ps.append(p)
             row_sum[i] = row_sum[i] * corr[i] + _tree(ps, lambda a, b: a + b)
