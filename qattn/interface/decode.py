@@ -19,7 +19,7 @@ from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .variants import cache_for, kernel_arch
-from .window import resolve_window, window_ints
+from .window import resolve_window, softcap_value as _softcap, window_ints
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -40,14 +40,15 @@ def _tile_n(cache: PagedKVCache) -> int:
 
 
 def decode_config_for(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool,
-                      window: bool = False):
+                      window: bool = False, softcap: float = 0.0):
     """The :class:`DecodeConfig` a call with these parameters uses (``decode_config.choose_config``, which
     ``qattn-warmup`` uses too)."""
     from ..cute_kernels.sm90.decode_config import choose_config
 
     return choose_config(cache.k_format, cache.v_format, cache.head_dim, cache.page_size, q_dtype, group,
                          seqlen_q, causal, split, ring_window=cache.recent_window,
-                         ring_dtype=_dtype_name(cache.dtype), sink_tokens=cache.sink_tokens, window=window)
+                         ring_dtype=_dtype_name(cache.dtype), sink_tokens=cache.sink_tokens, window=window,
+                         softcap=softcap)
 
 
 def decode_cache_key(arch: str, cfg) -> tuple:
@@ -72,6 +73,7 @@ def combine_compile_args():
 
 def _check_arch(device: torch.device) -> str:
     return kernel_arch(device, "decode")  # 10.x: the SM100 dispatch hook -> decode_sm100.py
+
 
 
 def _get(kind: str, key: tuple, build, args):
@@ -123,6 +125,7 @@ def _flash_attn_with_kvcache_eager(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention of ``q`` (batch, seqlen_q, num_heads, head_dim) over the paged cache, FlashAttention style.
 
@@ -132,7 +135,10 @@ def _flash_attn_with_kvcache_eager(
     query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
     0); the pages (and ring rows) left of the window are not read (on SM100, whose cache has no ring or sink:
     compile-checked and emulated only).
-    ``num_splits`` = 0 picks the split-KV count from host-known sizes.
+    ``num_splits`` = 0 picks the split-KV count from host-known sizes. ``softcap > 0``: FlashAttention's logit
+    soft-capping, scores z become softcap * tanh(z / softcap) (on SM100 compile-checked and emulated only; not on a
+    cache whose K was smoothed by ``write_kv(k_mean=...)``, since the cap is not invariant to the shift smoothing
+    takes out: a ValueError).
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
 
     Caches with a recent-token window W need ``seq_slots`` (batch,) int32, the ring slot of each batch row: the
@@ -194,6 +200,7 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table
     window = resolve_window(window_size, causal, Sq, max_len)
+    softcap = _softcap(softcap)
     if q.numel() >= 2**31 // max(1, num_splits or 1):
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     if out is not None:
@@ -209,7 +216,7 @@ def _flash_attn_with_kvcache_eager(
 
         return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                              softmax_scale=softmax_scale, window=window, num_splits=num_splits,
-                                             return_lse=return_lse, out=out)
+                                             return_lse=return_lse, out=out, softcap=softcap)
 
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
 
@@ -220,7 +227,7 @@ def _flash_attn_with_kvcache_eager(
         num_splits = num_splits_heuristic(B, H, window.keys_read(max_len, Sq, _tile_n(cache)), _NUM_SMS[dev],
                                           tile_n=_tile_n(cache))
     split = num_splits > 1
-    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, window.causal, split, window.local)
+    kern, comb = _kernels(arch, cache, _dtype_name(q.dtype), group, Sq, window.causal, split, window.local, softcap)
 
     q = q.contiguous()
     block_table = block_table.contiguous()
@@ -245,7 +252,7 @@ def _flash_attn_with_kvcache_eager(
                    addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
                    addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots), addr(lay.k_sink), addr(lay.v_sink),
                    B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
-                   softmax_scale * math.log2(math.e), *window.edges, stream)
+                   softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e), *window.edges, stream)
         if split:
             fast(comb)(addr(o_part), addr(l_part), addr(out), addr(lse), B, Sq, Hq, num_splits, stream)
     return (out, lse) if return_lse else out
@@ -255,20 +262,21 @@ _KERNELS: dict = {}
 
 
 def _kernels(arch: str, cache: PagedKVCache, qd: str, group: int, seqlen_q: int, causal: bool, split: bool,
-             window: bool = False):
+             window: bool = False, softcap: float = 0.0):
     """(decode kernel, combine kernel or None) of a call, memoized on the host-known facts that choose them so
     that a repeated call skips building its config and cache keys (the eager launch cost)."""
     from ..cute_kernels.sm90.decode_config import tuning_from_env
 
     memo_key = (arch, cache.k_format, cache.v_format, cache.head_dim, cache.page_size, cache.recent_window,
-                cache.sink_tokens, cache.dtype, qd, group, seqlen_q, bool(causal), split, window, tuning_from_env())
+                cache.sink_tokens, cache.dtype, qd, group, seqlen_q, bool(causal), split, window, softcap,
+                tuning_from_env())
     hit = _KERNELS.get(memo_key)
     if hit is not None:
         return hit
     from ..cute_kernels.combine import CombineSplits, combine_cache_key
     from ..cute_kernels.sm90.decode import DecodeSm90
 
-    cfg = decode_config_for(cache, qd, group, seqlen_q, causal, split, window)
+    cfg = decode_config_for(cache, qd, group, seqlen_q, causal, split, window, softcap)
     kern = _get("decode", decode_cache_key(arch, cfg), lambda: DecodeSm90(cfg), decode_compile_args())
     ck = None
     if split:
@@ -292,7 +300,13 @@ def flash_attn_with_kvcache(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
 ):
+    softcap = _softcap(softcap)
+    if softcap and isinstance(cache, PagedKVCache) and cache.k_smoothed:
+        raise ValueError("softcap: this cache's K was smoothed (write_kv(k_mean=...)); soft-capping is not invariant "
+                         "to the per-row shift q . k_mean that smoothing takes out of the scores, so a smoothed cache "
+                         "cannot be read with a softcap")
     # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T (one fp32
     # matrix product each way with the cache's dense R).
     rot = cache.rotation_matrix if isinstance(cache, PagedKVCache) else None
@@ -301,10 +315,11 @@ def flash_attn_with_kvcache(
         q, out = rotate_query_dense(q, rot), None
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,
-                                  return_lse, out, seq_slots=seq_slots, window_size=window_ints(window_size))
+                                  return_lse, out, seq_slots=seq_slots, window_size=window_ints(window_size),
+                                  softcap=softcap)
     else:
         res = _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softmax_scale, causal, num_splits,
-                             return_lse, out, window_size)
+                             return_lse, out, window_size, softcap)
     if rot is None:
         return res
     o, lse = res if return_lse else (res, None)
@@ -316,7 +331,7 @@ _DECODE_PLANS = Planner()
 
 
 def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softmax_scale, causal, num_splits,
-                   return_lse, out, window_size):
+                   return_lse, out, window_size, softcap=0.0):
     """The eager call, through the launch plan of its signature when there is one (``launch_plan``: the layer is
     not part of the signature, its tensors are plan inputs)."""
     from ..cute_kernels.sm90.decode_config import tuning_from_env
@@ -325,16 +340,17 @@ def _eager_planned(q, cache, cache_seqlens, block_table, seq_slots, layer, softm
     if isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers:
         tensors = (q, cache_seqlens, block_table, seq_slots, out)
         key = signature_key(tensors, (cache_signature(cache), softmax_scale, causal, num_splits, window_size,
-                                      tuning_from_env()))
+                                      softcap, tuning_from_env()))
     if key is None:
         return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                               softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                              return_lse=return_lse, out=out, window_size=window_size)
+                                              return_lse=return_lse, out=out, window_size=window_size,
+                                              softcap=softcap)
     o, lse = _DECODE_PLANS.call(
         key, tensors + layer_tensors(cache.layer(layer)),
         lambda: _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                                softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                               return_lse=True, out=out, window_size=window_size),
+                                               return_lse=True, out=out, window_size=window_size, softcap=softcap),
         keyed=len(tensors))
     return (o, lse) if return_lse else o
 

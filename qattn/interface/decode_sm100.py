@@ -21,9 +21,9 @@ _NUM_SMS: dict = {}
 
 
 def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: bool, split: bool,
-                     window: bool = False):
+                     window: bool = False, softcap: float = 0.0):
     """The :class:`DecodeConfigSm100` the launcher uses (``causal`` / ``window``: the flags of
-    ``qattn.interface.window.resolve_window`` for the call)."""
+    ``qattn.interface.window.resolve_window`` for the call; ``softcap``: 0.0 or the call's cap)."""
     from ..cute_kernels.sm100.decode_config import DecodeConfigSm100, check_rows
 
     if cache.recent_window:
@@ -32,12 +32,14 @@ def sm100_config_for(cache, q_dtype: str, group: int, seqlen_q: int, causal: boo
         raise ValueError("cache: the SM100 decode kernel does not read the sink buffer yet (sink_tokens > 0)")
     check_rows(seqlen_q, group)
     return DecodeConfigSm100(cache.k_format, cache.v_format, cache.head_dim, q_dtype, group, cache.page_size,
-                             bool(causal), bool(split), window=bool(window))
+                             bool(causal), bool(split), window=bool(window), softcap=softcap)
 
 
 def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_slots=None, layer=0,
-                                  softmax_scale=None, window, num_splits=0, return_lse=False, out=None):
-    """``window``: the call's :class:`qattn.interface.window.Window` (``decode.py`` resolved it)."""
+                                  softmax_scale=None, window, num_splits=0, return_lse=False, out=None,
+                                  softcap: float = 0.0):
+    """``window``: the call's :class:`qattn.interface.window.Window` (``decode.py`` resolved it); ``softcap``: the
+    call's validated cap (0.0: off)."""
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64
 
@@ -58,7 +60,7 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
         context = window.keys_read(block_table.shape[1] * cache.page_size, Sq, 128)
         num_splits = num_splits_heuristic(B, H, context, _NUM_SMS[dev], tile_n=128)
     split = num_splits > 1
-    cfg = sm100_config_for(cache, qd, group, Sq, window.causal, split, window.local)
+    cfg = sm100_config_for(cache, qd, group, Sq, window.causal, split, window.local, softcap)
     arch = "sm_100a"
     kern = cache_for("decode").get(decode_sm100_cache_key(arch, cfg), lambda: compile_for_arch(
         DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
@@ -84,7 +86,8 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
              addr(lay.k_global_scale), addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
              addr(block_table.contiguous()), addr(cache_seqlens), addr(o_dst), addr(l_dst),
              Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks), Int32(num_splits),
-             Float32(softmax_scale * math.log2(math.e)), *(Int32(e) for e in window.edges), stream)
+             Float32(softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)),
+             *(Int32(e) for e in window.edges), stream)
         if split:
             comb = CombineSplits(D, qd)
             ck = cache_for("combine").get(combine_cache_key(arch, comb), lambda: compile_for_arch(

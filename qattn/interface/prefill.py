@@ -24,7 +24,7 @@ from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LON
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
-from .window import FULL, Window, resolve_window, window_ints as _window_ints
+from .window import FULL, Window, resolve_window, softcap_value as _softcap, window_ints as _window_ints
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "prefill_int8", "prefill_int8_varlen",
@@ -265,7 +265,8 @@ def prefill_int8(
     fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
-    ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90). It
+    ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90; SM100
+    compile-checked and emulated only). It
     needs ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K (zeros for
     an unsmoothed K; with a balanced prepass, ``k_mean / qk_balance``): the kernel adds ``q . k_mean`` back to
     each row's scores before the cap, which, unlike the softmax, is not invariant to it.
@@ -314,14 +315,15 @@ def prefill_int8(
     if _check_arch(dev) == "sm_100a":
         from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
 
-        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning, softcap=softcap)
+        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
         if quantize_q:
             raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
+        k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)  # as on SM90: softcap needs K's mean
         # the SM100 kernel addresses contiguous tensors (no strides): views are copied
         q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
         prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse, window=window,
-                           softmax_scale=softmax_scale, granularity=granularity)
+                           softmax_scale=softmax_scale, granularity=granularity, softcap=softcap, k_mean=k_mean)
         return (out, lse) if return_lse else out
     k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)
     tuning = _tuning or {}  # _tuning: A/B overrides
@@ -463,7 +465,7 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
     if max(q.numel(), k.numel()) >= 2**31:
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
-    _check_sm100_options(q.device, varlen=varlen, qk_quant=None, softcap=softcap)
+    _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
     window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
                             max_seqlen_k if varlen else k.shape[1])
     cfg = _config(head_dim=D, v_dtype=_DTYPES[v.dtype], causal=window.causal, granularity="per_block",
@@ -529,8 +531,8 @@ def flash_attn_func(
     window is compile-checked and emulated only: it never ran).
 
     ``softcap > 0``: FlashAttention's logit soft-capping (Gemma 2, Grok): the scores z = softmax_scale * q.k become
-    ``softcap * tanh(z / softcap)`` before the softmax (SM90; ``tanh.approx`` on the MUFU). One compiled kernel per
-    value (a model has one).
+    ``softcap * tanh(z / softcap)`` before the softmax (``tanh.approx`` on the MUFU; on SM100 compile-checked and
+    emulated only). One compiled kernel per value (a model has one).
 
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
     unchanged: ``dropout_p=0.0``, ``alibi_slopes=None``; anything else raises NotImplementedError (no ALiBi or
@@ -574,15 +576,6 @@ def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropo
     _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
     return window, _softmax_scale(softmax_scale, q.shape[-1]), softcap
-
-
-def _softcap(softcap) -> float:
-    """FlashAttention's ``softcap`` as a float: 0.0 (or None) is off, else a finite positive cap."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
-        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
-    return float(softcap)
 
 
 # ``k_mean`` of an internal call whose K was not smoothed (``flash_attn_func(smooth_k=False)``)
@@ -651,8 +644,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
-        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant,
-                             softcap=softcap)
+        _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, None, None, None, None, causal, softmax_scale, window, softcap)
 
@@ -793,7 +785,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
-        _check_sm100_options(q.device, varlen=True, softcap=softcap)
+        _check_sm100_options(q.device, varlen=True)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
 
@@ -866,11 +858,11 @@ def _prefill_variants(arch: str, head_dims=None, q_dtypes=None, balance_qk: bool
     key, arch first); per_warp ones quantize Q in the kernel, as those functions launch them. ``balance_qk``:
     also the per_warp kernels that quantize ``q * qk_balance`` (``balance_qk=True``). ``sliding_window``: also
     each one's ``window_size`` twin (``PrefillConfig.local``: a left window edge; the right one is ``causal``).
-    ``softcaps``: also each one's twin per ``softcap`` value (SM90; one kernel per value)."""
+    ``softcaps``: also each one's twin per ``softcap`` value (one kernel per value; SM100 too)."""
     if arch == "sm_100a":  # the SM100 kernel's variants (dense, int8 QK, P.V in V's dtype; never ran on hardware)
         from .prefill_sm100 import sm100_prefill_variants
 
-        return sm100_prefill_variants(arch, head_dims, q_dtypes, sliding_window)
+        return sm100_prefill_variants(arch, head_dims, q_dtypes, sliding_window, softcaps)
     if arch != "sm_90a":
         return []
     dts = [{"f16": "fp16"}.get(d, d) for d in (q_dtypes or ["bf16", "fp16"])]

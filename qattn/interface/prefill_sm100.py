@@ -5,8 +5,8 @@ kernel is compile-checked for sm_100a and emulated on the CPU (``qattn.cute_kern
 The caller's tensors were validated by ``prefill.py`` already (shapes, dtypes, the prepass's scale shapes,
 which are the same on SM90 and SM100); this adds the SM100 kernel's own limits and launches it from the shared
 ``"prefill"`` compile cache with arch ``"sm_100a"``. What the SM100 kernel does not do raises here, never
-falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, soft-capping, tuning
-overrides.
+falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides. Soft-capping
+(``softcap``) is a compile-time variant of the kernel, as on SM90.
 """
 
 from __future__ import annotations
@@ -26,11 +26,8 @@ _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
-                                tuning: Optional[dict] = None, softcap: float = 0.0) -> None:
+                                tuning: Optional[dict] = None) -> None:
     """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
-    if softcap:
-        raise NotImplementedError(f"softcap: {softcap!r}: logit soft-capping is implemented on SM90 only; the SM100 "
-                                  "prefill kernel takes softcap=0.0")
     if varlen:
         raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
                                   "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "
@@ -46,15 +43,15 @@ def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16",
 
 
 def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str,
-                             local: bool = False):
+                             local: bool = False, softcap: float = 0.0):
     """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments (``causal`` /
-    ``local``: the flags of the call's ``qattn.interface.window.Window``)."""
+    ``local``: the flags of the call's ``qattn.interface.window.Window``; ``softcap``: the compile-time cap)."""
     from ..cute_kernels.sm100.prefill_config import PrefillConfigSm100
 
     if v_dtype not in _V_DTYPES:
         raise TypeError(f"v: expected torch.bfloat16 or torch.float16, got {v_dtype}")
     return PrefillConfigSm100(head_dim=head_dim, v_dtype=_V_DTYPES[v_dtype], causal=bool(causal),
-                              granularity=granularity, local=bool(local))
+                              granularity=granularity, local=bool(local), softcap=softcap)
 
 
 def _build(cfg):
@@ -82,27 +79,32 @@ def _launch(cfg, args: tuple, device: torch.device) -> None:
 
 def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, window, softmax_scale: float,
-                       granularity: str) -> None:
+                       granularity: str, softcap: float = 0.0, k_mean: Optional[torch.Tensor] = None) -> None:
     """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
     q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
     writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: the call's ``qattn.interface.window.Window``
-    (causal mask and sliding window)."""
+    (causal mask and sliding window). ``softcap > 0``: the soft-capped variant; ``k_mean`` (B, Hkv, D) fp32,
+    contiguous, is K's smoothing mean that it adds back per row (None: an unsmoothed K, no shift)."""
 
     B, Sq, Hq, D = q_int8.shape
     Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
     if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
-    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local)
+    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap)
+    # capped, the kernel's scale gives z / softcap (its tanh argument) instead of z * log2 e (as on SM90)
+    scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
-            k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
-            softmax_scale * math.log2(math.e), *window.edges)
+            k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2, *window.edges,
+            0 if k_mean is None or not softcap else k_mean.data_ptr())
     _launch(cfg, args, q_int8.device)
 
 
-def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_window: bool = False) -> list:
+def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_window: bool = False,
+                           softcaps=None) -> list:
     """``qattn-warmup`` variants of the SM100 prefill kernel: head_dim x V dtype x causal x q-scale granularity
-    (dense, INT8 Q K^T, P.V in V's dtype; ``sliding_window``: each one's window twin), with the launcher's own
-    keys. Never ran on hardware: these variants are compiled for images, not tested on a GPU."""
+    (dense, INT8 Q K^T, P.V in V's dtype; ``sliding_window``: each one's window twin; ``softcaps``: each one's
+    twin per positive cap), with the launcher's own keys. Never ran on hardware: these variants are compiled for
+    images, not tested on a GPU."""
     from ..cute_kernels.sm100.prefill_config import HEAD_DIMS
     from ..cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
 
@@ -118,9 +120,11 @@ def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_win
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
                     for local in (False, True) if sliding_window else (False,):
-                        cfg = sm100_prefill_config_for(d, dts[name], causal, gran, local)
-                        label = (f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran}"
-                                 f"{' window' if local else ''} (sm100, never ran)")
-                        out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
-                                           lambda cfg=cfg: _build(cfg)))
+                        for cap in [0.0] + [float(c) for c in softcaps or () if c]:
+                            cfg = sm100_prefill_config_for(d, dts[name], causal, gran, local, cap)
+                            label = (f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran}"
+                                     f"{' window' if local else ''}{f' softcap {cap:g}' if cap else ''}"
+                                     " (sm100, never ran)")
+                            out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
+                                               lambda cfg=cfg: _build(cfg)))
     return out

@@ -92,7 +92,7 @@ def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
                     num_splits: int, k_ring: Optional[torch.Tensor] = None, v_ring: Optional[torch.Tensor] = None,
                     seq_slots: Optional[torch.Tensor] = None, k_sink: Optional[torch.Tensor] = None,
                     v_sink: Optional[torch.Tensor] = None, window_left: int = -1,
-                    window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                    window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode import _flash_attn_with_kvcache_eager
 
     cache = _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,
@@ -100,13 +100,13 @@ def paged_decode_op(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
                   k_sink=k_sink, v_sink=v_sink)
     return _flash_attn_with_kvcache_eager(q, cache, cache_seqlens, block_table, seq_slots=seq_slots,
                                           softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                          return_lse=True, window_size=(window_left, window_right))
+                                          return_lse=True, window_size=(window_left, window_right), softcap=softcap)
 
 
 @paged_decode_op.register_fake
 def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, cache_seqlens, block_table,
       k_format, v_format, page_size, softmax_scale, causal, num_splits, k_ring=None, v_ring=None, seq_slots=None,
-      k_sink=None, v_sink=None, window_left=-1, window_right=-1):
+      k_sink=None, v_sink=None, window_left=-1, window_right=-1, softcap=0.0):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -123,7 +123,8 @@ def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slo
 
 
 def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, layer: int, softmax_scale, causal: bool,
-                        num_splits: int, return_lse: bool, out, seq_slots=None, window_size=(-1, -1)):
+                        num_splits: int, return_lse: bool, out, seq_slots=None, window_size=(-1, -1),
+                        softcap: float = 0.0):
     import math
 
     lay = cache.layer(layer)
@@ -132,7 +133,7 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
                                           lay.k_global_scale, lay.v_global_scale, cache_seqlens, block_table,
                                           format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
                                           scale, bool(causal), int(num_splits), lay.k_ring, lay.v_ring,
-                                          seq_slots, lay.k_sink, lay.v_sink, *window_size)
+                                          seq_slots, lay.k_sink, lay.v_sink, *window_size, softcap=softcap)
     if out is not None:
         out.copy_(o)
         o = out

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--sliding-window", action="store_true",
                    help="prefill, decode: also the kernels of window_size (sliding-window attention)")
     p.add_argument("--softcap", default=None,
-                   help="prefill (SM90): also the kernels of these softcap values, a comma list (e.g. 50 for Gemma 2)")
+                   help="prefill, decode: also the kernels of these softcap values, a comma list (e.g. 50 "
+                        "for Gemma 2)")
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")
     p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")

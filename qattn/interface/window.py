@@ -11,7 +11,7 @@ import functools
 from typing import NamedTuple
 
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
-           "kernel_edges"]
+           "kernel_edges", "softcap_value"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30
@@ -85,3 +85,13 @@ def resolve_window(window_size, causal: bool, max_seqlen_q: int, max_seqlen_k: i
 def _resolved(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> Window:
     left, right = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
     return Window(left, right, *window_flags(left, right))
+
+
+def softcap_value(softcap) -> float:
+    """FlashAttention's ``softcap`` keyword (prefill and decode) as a float: 0.0 (or None) is off, else a finite
+    positive cap; anything else a ValueError."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
+    return float(softcap)

@@ -284,6 +284,9 @@ class PagedKVCache:
         _rotation_signs: torch.Tensor | None = None,
     ) -> None:
         _check_pos_int(num_layers, "num_layers")
+        # set by ``write_kv(..., k_mean=...)``: some K row was stored smoothed (a shift soft-capping is not
+        # invariant to, so ``flash_attn_with_kvcache(softcap=...)`` refuses the cache)
+        self.k_smoothed = False
         self.k_format, self.v_format = kv_formats(kv_format)
         self.k_geometry = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, self.k_format)
         self.v_geometry = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, self.v_format)

@@ -86,6 +86,7 @@ def paged_decode_reference(
     seq_slots: torch.Tensor | None = None,
     return_lse: bool = False,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention of q (batch, seqlen_q, num_heads, head_dim) over a paged cache, in float64.
 
@@ -105,7 +106,7 @@ def paged_decode_reference(
     k, v = flatten_kv_reference(cache, layer, block_table, cache_seqlens, seq_slots=seq_slots,
                                 dtype=torch.float64)
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               kv_lens=cache_seqlens, return_lse=return_lse, window_size=window_size)
+                               kv_lens=cache_seqlens, return_lse=return_lse, window_size=window_size, softcap=softcap)
 
 
 def _expand_rows(scale: torch.Tensor, rows_per_group: int, seqlen: int) -> torch.Tensor:

@@ -473,3 +473,29 @@ def test_window_over_ring_and_sink_compiles(W, N, group, sq):
     _, ptx_plain = compile_for_arch(DecodeSm90(plain), *decode_compile_args(), arch="sm_90a")
     for pat in (r"mma\.sync\.aligned\.m16n8k16", r"cp\.async\.cg\.shared\.global"):
         assert ptx_count(ptx, pat) == ptx_count(ptx_plain, pat)
+
+
+@pytest.mark.parametrize("kf,vf,D,group,split,W", [("nvfp4", "nvfp4", 128, 4, False, 0), ("fp8", "fp8", 128, 16, True, 0),
+                                                  ("int8", "nvfp4", 64, 2, False, 64), ("bf16", "bf16", 128, 8, True, 0)])
+def test_softcap_variant_compiles(kf, vf, D, group, split, W):
+    """``softcap``: its own key per value, one ``tanh.approx.f32`` per score of a thread's tile (before the mask),
+    the same MMAs and loads as without it."""
+    from qattn.cute_kernels.sm90.decode_config import choose_config
+
+    k, v = kv_format(kf), kv_format(vf)
+    kw = dict(ring_window=W, ring_dtype="bf16")
+    cfg, plain = (choose_config(k, v, D, 64, "bf16", group, 1, True, split, softcap=c, **kw) for c in (50.0, 0.0))
+    assert len({cfg.key, plain.key, choose_config(k, v, D, 64, "bf16", group, 1, True, split, softcap=30, **kw).key}) == 3
+    _, ptx = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+    _check_ptx(cfg, ptx)
+    _, ptx_plain = compile_for_arch(DecodeSm90(plain), *decode_compile_args(), arch="sm_90a")
+    # one tanh per score a thread holds of a tile: tile_n / token_groups / 16 chunks x (4 narrow, 8 wide), per
+    # tile kind (page tiles; ring tiles of ring_tile_n tokens)
+    per = lambda n: n // cfg.token_groups // 16 * (4 if cfg.narrow else 8)  # noqa: E731
+    want = per(cfg.tile_n) + (per(cfg.ring_tile_n) if W else 0)
+    assert ptx_count(ptx, r"tanh\.approx\.f32") == want and ptx_count(ptx_plain, r"tanh\.approx") == 0
+    for pat in (r"mma\.sync\.aligned\.m16n8k16", r"cp\.async\.cg\.shared\.global", r"ex2\.approx"):
+        assert ptx_count(ptx, pat) == ptx_count(ptx_plain, pat)
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="softcap"):
+            choose_config(k, v, D, 64, "bf16", group, 1, True, split, softcap=bad, **kw)

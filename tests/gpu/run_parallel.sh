@@ -1,6 +1,6 @@
 #!/bin/bash
 # Parallel GPU test run on a lent machine (carry .gpu), in two parts that each fit one 10-minute device call:
-#   PART=1 T=540 bash tests/gpu/run_parallel.sh   # decode (+ sliding window), KV insert, FP4 rows, INT8 prepass, graphs, memcheck
+#   PART=1 T=540 bash tests/gpu/run_parallel.sh   # decode (+ sliding window, softcap), KV insert, FP4 rows, INT8 prepass, graphs, memcheck
 #   PART=2 T=540 bash tests/gpu/run_parallel.sh   # prefill (split by topic, sliding window, softcap, FP8 P.V varlen, launch plans, packed forms), channel balancing, compile cache
 # (no PART: both parts at once, ~16 processes: for a machine with the cores and the time). Several pytest
 # processes share the process-safe disk compile cache; logs land in $OUT (or ./gpu_logs), one summary per log.
@@ -15,7 +15,7 @@ if [ -z "$PART" ] || [ "$PART" = 1 ]; then
   run d2 $P tests/gpu/test_decode_gpu.py -k "matches_reference and mxfp4"
   run d3 $P tests/gpu/test_decode_gpu.py -k "matches_reference and not (nvfp4 or mxfp4)"
   run d4 $P tests/gpu/test_decode_gpu.py tests/gpu/test_torch_compile_gpu.py tests/gpu/test_cuda_graph_gpu.py -k "not matches_reference"
-  run d5 $P tests/gpu/test_decode_fuzz_gpu.py tests/gpu/test_decode_window_gpu.py
+  run d5 $P tests/gpu/test_decode_fuzz_gpu.py tests/gpu/test_decode_window_gpu.py tests/gpu/test_decode_softcap_gpu.py
   run i1 $P tests/gpu/test_kv_insert_gpu.py -k "transforms"
   run i2 $P tests/gpu/test_kv_insert_gpu.py -k "not transforms"
   run q1 $P tests/gpu/test_fp4_rows_gpu.py tests/gpu/test_qk_int8_gpu.py

@@ -25,6 +25,15 @@ def _recorder():
     return graphs, record
 
 
+def _decode_step_inputs():
+    """(cache, q, lens, table): a one-layer nvfp4 cache and one decode step of two sequences (4 and 41 keys)."""
+    cache = qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([4, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    return cache, q, lens, table
+
+
 def test_format_strings_round_trip():
     for name in FORMAT_NAMES:
         for rule in ((None,) if not name.startswith("mxfp4") else ("floor", "rceil")):
@@ -58,10 +67,7 @@ def test_windowed_steps_trace_with_their_window():
     """window_size reaches the decode and prefill ops as two ints (one graph, no break)."""
     graphs, record = _recorder()
 
-    cache = qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
-    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
-    lens = torch.tensor([4, 41], dtype=torch.int32)
-    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    cache, q, lens, table = _decode_step_inputs()
     qp = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
     kp = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
 
@@ -76,6 +82,28 @@ def test_windowed_steps_trace_with_their_window():
     decode = next(n for n in calls if "paged_decode" in str(n.target))
     prefill = next(n for n in calls if "qattn.prefill" in str(n.target))
     assert tuple(decode.args[-2:]) == (16, 0) and tuple(prefill.args[-2:]) == (32, 0)
+
+
+def test_softcap_reaches_the_decode_op_and_smoothed_caches_refuse_it():
+    """softcap reaches the paged decode op (one graph); a cache that write_kv smoothed refuses a softcap."""
+    graphs, record = _recorder()
+    cache, q, lens, table = _decode_step_inputs()
+
+    def step(q, lens, table):
+        return qattn.flash_attn_with_kvcache(q, cache, lens, table, softcap=50.0)
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=record)(q, lens, table)
+    assert len(graphs) == 1
+    decode = next(n for n in graphs[0].graph.nodes if n.op == "call_function" and "paged_decode" in str(n.target))
+    assert decode.kwargs["softcap"] == 50.0
+    assert not cache.k_smoothed
+    cache.k_smoothed = True  # what write_kv(k_mean=...) sets
+    with pytest.raises(ValueError, match="softcap: this cache's K was smoothed"):
+        qattn.flash_attn_with_kvcache(q, cache, lens, table, softcap=50.0)
+    for bad in (-1.0, float("nan"), "50"):
+        with pytest.raises(ValueError, match="softcap"):
+            qattn.flash_attn_with_kvcache(q, qattn.PagedKVCache(1, 8, 16, 2, 128, "nvfp4"), lens, table, softcap=bad)
 
 
 def test_softcap_reaches_the_prefill_ops():
@@ -257,8 +285,10 @@ def test_transformed_step_traces_without_breaks():
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=record)
+    assert not cache.k_smoothed
     compiled(q, k, k.clone(), slots, pos, lens, table)
     assert len(graphs) == 1
+    assert cache.k_smoothed  # the host-side flag write_kv(k_mean=...) sets survives tracing (softcap refuses it)
     nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
     targets = [str(n.target) for n in nodes]
     assert any("qattn.write_kv" in t for t in targets) and any("qattn.paged_decode" in t for t in targets)

@@ -222,7 +222,7 @@ def test_balance_qk_variants_are_the_runtime_ones(capsys):
 
 def test_softcap_variants_are_the_runtime_ones(capsys):
     """--softcap 50 adds, for every SM90 prefill variant, its twin with softcap=50.0 (the key prefill_int8 uses for
-    flash_attn_func(softcap=50)); none on sm_100a, whose kernel has no soft-capping."""
+    flash_attn_func(softcap=50)); on sm_100a likewise for its kernel (compile-checked only)."""
     from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 
     def keys(**kw):
@@ -235,7 +235,20 @@ def test_softcap_variants_are_the_runtime_ones(capsys):
     assert want in capped and want not in plain
     assert len(keys(softcaps=[50.0, 30.0], sliding_window=True)) == 3 * len(keys(sliding_window=True))
     assert (len(variants.enumerate_variants("prefill", "sm_100a", head_dims=[64], softcaps=[50.0]))
-            == len(variants.enumerate_variants("prefill", "sm_100a", head_dims=[64])))
+            == 2 * len(variants.enumerate_variants("prefill", "sm_100a", head_dims=[64])))
     assert warmup.main(["--arch", "sm_90a", "--dry-run", "--kernels", "prefill", "--head-dims", "64",
                         "--q-dtypes", "bf16", "--softcap", "50"]) == 0
     assert f"{2 * len(keys(q_dtypes=['bf16']))} variants" in capsys.readouterr().out
+
+
+def test_decode_softcap_variants():
+    """--softcap adds the decode kernels' softcap twins (the keys flash_attn_with_kvcache(softcap=...) uses)."""
+    from qattn.cute_kernels.sm90.decode_config import choose_config
+    from qattn.layouts.formats import kv_format
+
+    kw = dict(kv_formats=["nvfp4"], head_dims=[128], gqa=[4], page_sizes=[16])
+    plain = [v.key for v in variants.enumerate_variants("decode", "sm_90a", **kw)]
+    capped = [v.key for v in variants.enumerate_variants("decode", "sm_90a", softcaps=[50.0], **kw)]
+    assert len(capped) == 2 * len(plain) and set(plain) < set(capped)
+    f = kv_format("nvfp4")
+    assert ("sm_90a",) + choose_config(f, f, 128, 16, "bf16", 4, 1, True, True, softcap=50.0).key in capped

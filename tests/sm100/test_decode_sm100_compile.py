@@ -65,3 +65,24 @@ def test_decode_sm100_window_compiles(split):
         assert ptx_count(ptx, op) == ptx_count(ref, op) > 0, op
     # one more compare-and-select per score (the left edge) than the causal kernel
     assert ptx_count(ptx, r"selp\.f32") >= ptx_count(ref, r"selp\.f32") + 128
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_sm100_softcap_compiles(split):
+    """``softcap``: its own key per cap, one ``tanh.approx.f32`` per score of a thread's row (128) and the same
+    MMAs, TMEM traffic and loads as the plain kernel (never ran on hardware)."""
+    fmt = kv_format("nvfp4")
+    plain = DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split)
+    cfg = DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split, softcap=50)
+    assert cfg.key == plain.key + (("softcap", 50.0),) and cfg.softcap == 50.0
+    ptx = compile_sm100_timed("sm100_decode", ("nvfp4", 128, 64, 8, "softcap", split), DecodeSm100(cfg),
+                              decode_sm100_compile_args())
+    ref = compile_sm100_timed("sm100_decode", ("nvfp4", 128, 64, 8, "plain", split), DecodeSm100(plain),
+                              decode_sm100_compile_args())
+    assert ptx_count(ptx, r"tanh\.approx\.f32") == 128 and ptx_count(ref, r"tanh\.approx") == 0
+    for op in (r"tcgen05\.mma\.cta_group::1\.", r"tcgen05\.cp\.", r"cp\.async\.bulk\.tensor", r"tcgen05\.ld\.sync",
+               r"tcgen05\.st\.sync", r"tcgen05\.commit", r"ex2\.approx"):
+        assert ptx_count(ptx, op) == ptx_count(ref, op) > 0, op
+    for bad in (-1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="softcap"):
+            DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split, softcap=bad)

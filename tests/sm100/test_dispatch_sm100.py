@@ -77,3 +77,25 @@ def test_sm100_decode_window_config_and_split_context():
     plain = sm100_config_for(cache, "bf16", 4, 1, True, False)
     local = sm100_config_for(cache, "bf16", 4, 1, True, False, window=True)
     assert local.window and not plain.window and local.key != plain.key and local.key[:-1] == plain.key
+
+def test_sm100_decode_softcap_reaches_the_kernel(monkeypatch):
+    """softcap on SM100 (compile-checked and emulated only): the launcher gets the validated cap, the config its
+    key, and the kernel the scale softmax_scale / softcap; a smoothed cache still refuses it."""
+    import qattn.interface.decode_sm100 as d100
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    seen = []
+    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: seen.append(k) or "sm100")
+    cache = PagedKVCache(1, 8, 16, 2, 128, "nvfp4")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([4, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    assert dec.flash_attn_with_kvcache(q, cache, lens, table, softcap=30) == "sm100"
+    assert seen[-1]["softcap"] == 30.0 and isinstance(seen[-1]["softcap"], float)
+    dec.flash_attn_with_kvcache(q, cache, lens, table)
+    assert seen[-1]["softcap"] == 0.0
+    assert sm100_config_for(cache, "bf16", 4, 1, True, False, softcap=30.0).softcap == 30.0
+    cache.k_smoothed = True
+    with pytest.raises(ValueError, match="smoothed"):
+        dec.flash_attn_with_kvcache(q, cache, lens, table, softcap=30.0)

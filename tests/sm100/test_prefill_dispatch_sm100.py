@@ -101,8 +101,9 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.flash_attn_func(q, k, v, pv_dtype="fp8")
     with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
         qattn.flash_attn_func(q, k, v, qk_quant=None)
-    with pytest.raises(NotImplementedError, match="softcap: 30.0: logit soft-capping is implemented on SM90 only"):
-        qattn.flash_attn_func(q, k, v, softcap=30.0)
+    # softcap with balance_qk needs the SM90 kernel that quantizes Q (it reads the balance the shift needs)
+    with pytest.raises(NotImplementedError, match="softcap: with balance_qk=True only .* on SM90"):
+        qattn.flash_attn_func(q, k, v, softcap=30.0, balance_qk=True)
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
         qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
@@ -112,8 +113,10 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, _tuning={"kv_stages": 3})
     with pytest.raises(ValueError, match="window_size"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(-5, 0))
-    with pytest.raises(NotImplementedError, match="softcap"):
+    with pytest.raises(ValueError, match="k_mean: softcap > 0 needs K's smoothing mean"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100, softcap=30.0)
     with pytest.raises(NotImplementedError, match="varlen"):
         qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
                                                     torch.tensor([0, 200], dtype=torch.int32),
@@ -136,7 +139,7 @@ def test_sm100_window_reaches_the_kernel(gpu, causal, ws, local, upper, edges):
     assert len(calls) == 1 and calls[0][0] == "sm100"
     _, cfg, args = calls[0]
     assert cfg.local == local and cfg.causal == upper and "local" in cfg.key
-    assert tuple(args[-2:]) == edges
+    assert tuple(args[15:17]) == edges and args[17] == 0  # no softcap: no K mean address
 
 
 def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):
@@ -147,6 +150,59 @@ def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):
     qattn.flash_attn_func(q, k, v, window_size=(-1, 0))  # right 0: the causal mask itself
     assert [c[0] for c in calls] == ["sm100"] * 3
     assert [c[1].causal for c in calls] == [True, False, True]
+
+
+@pytest.mark.parametrize("causal,ws,gran,smooth", [(True, (-1, -1), "per_warp", True),
+                                                (False, (64, 16), "per_block", True),
+                                                (True, (-1, -1), "per_block", False)])
+def test_sm100_softcap_reaches_the_kernel(gpu, causal, ws, gran, smooth):
+    """softcap on SM100: the capped variant of the SM100 kernel (compile-checked and emulated only) with
+    softmax_scale / softcap as its scale and the prepass's K mean (address 0 for an unsmoothed K)."""
+    calls = gpu((10, 0))
+    q, k, v = _qkv()
+    qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws, granularity=gran, smooth_k=smooth, softcap=30)
+    assert len(calls) == 1 and calls[0][0] == "sm100"
+    _, cfg, args = calls[0]
+    assert cfg.softcap == 30.0 and ("softcap", 30.0) in cfg.key and cfg.granularity == gran
+    assert cfg == prefill_sm100.sm100_prefill_config_for(128, torch.bfloat16, cfg.causal, gran, cfg.local, 30.0)
+    assert math.isclose(args[14], 1 / math.sqrt(128) / 30.0, rel_tol=1e-12)
+    assert (args[17] != 0) == smooth
+
+
+def test_sm100_prefill_int8_passes_k_mean(gpu):
+    """prefill_int8(..., softcap, k_mean) on SM100: the mean's address reaches the kernel; its shape is checked."""
+    calls = gpu((10, 0))
+    q, k, v = _qkv()
+    q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k)
+    qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, softcap=50.0, k_mean=k_mean)
+    _, cfg, args = calls[0]
+    assert cfg.softcap == 50.0 and args[17] == k_mean.data_ptr()
+    qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True)
+    assert calls[1][1].softcap == 0.0 and calls[1][2][17] == 0
+    assert math.isclose(calls[1][2][14], math.log2(math.e) / math.sqrt(128))
+    with pytest.raises(ValueError, match="k_mean"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=50.0, k_mean=k_mean[:, :1])
+    with pytest.raises(ValueError, match="k_mean: only used with softcap > 0"):
+        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, k_mean=k_mean)
+
+
+def test_sm100_softcap_variants_are_the_launcher_keys(capsys):
+    """qattn-warmup --softcap 50 on sm_100a: each SM100 prefill variant's capped twin, with the launcher's key."""
+    from qattn.interface import warmup
+    from qattn.interface.variants import enumerate_variants
+
+    def keys(**kw):
+        return {v.key for v in enumerate_variants("prefill", "sm_100a", head_dims=[64], **kw)}
+
+    plain, capped = keys(), keys(softcaps=[50.0])
+    assert plain < capped and len(capped) == 2 * len(plain)
+    assert len(keys(softcaps=[50.0, 30.0], sliding_window=True)) == 3 * len(keys(sliding_window=True))
+    cfg = prefill_sm100.sm100_prefill_config_for(64, torch.bfloat16, True, "per_warp", softcap=50)
+    assert prefill_sm100_cache_key("sm_100a", cfg) in capped - plain
+    assert warmup.main(["--arch", "sm_100a", "--dry-run", "--kernels", "prefill", "--head-dims", "64",
+                        "--q-dtypes", "bf16", "--softcap", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "8 variants" in out and "softcap 50" in out
 
 
 def test_sm100_variants_are_the_launcher_keys():

@@ -35,6 +35,7 @@ def test_prefill_sm100_compiles(case):
     assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128  # the S row: int32 -> fp32
     pack = r"cvt\.rn\.bf16x2\.f32" if vd == "bf16" else r"cvt\.rn\.f16x2\.f32"
     assert ptx_count(ptx, pack) == 64  # P rounded to V's type, two per TMEM column
+    assert ptx_count(ptx, r"tanh\.approx") == 0  # no softcap
 
 
 def test_config_rejects():
@@ -48,6 +49,13 @@ def test_config_rejects():
     assert PrefillConfigSm100(128, "bf16", True, "per_warp").tmem_cols == 512
     keys = {PrefillConfigSm100(d, vd, causal, gran).key for d, causal, gran, vd in CASES}
     assert len(keys) == len(CASES)  # the key tells every variant apart
+    for bad in (-1.0, float("inf"), float("nan"), True, "50"):
+        with pytest.raises(ValueError, match="softcap"):
+            PrefillConfigSm100(128, "bf16", True, "per_warp", softcap=bad)
+    plain = PrefillConfigSm100(128, "bf16", True, "per_warp")
+    assert PrefillConfigSm100(128, "bf16", True, "per_warp", softcap=0).key == plain.key  # 0: off, key unchanged
+    capped = PrefillConfigSm100(128, "bf16", True, "per_warp", softcap=50)
+    assert capped.softcap == 50.0 and capped.key == plain.key + (("softcap", 50.0),)
 
 
 @pytest.mark.parametrize("D,causal", [(128, True), (64, False)])
@@ -62,3 +70,19 @@ def test_prefill_sm100_window_compiles(D, causal):
     assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
     assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0 and ptx_count(ptx, r"tcgen05\.alloc") == 1
     assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128
+
+
+@pytest.mark.parametrize("D,causal,gran,local", [(128, True, "per_warp", False), (64, False, "per_block", True)])
+def test_prefill_sm100_softcap_compiles(D, causal, gran, local):
+    """``softcap``: one ``tanh.approx.f32`` per score of the thread's 128-key row, the same MMAs as the plain
+    kernel, and the smoothing shift's one read of the thread's int8 Q row (D / 16 128-bit loads; never ran on
+    hardware)."""
+    cfg = PrefillConfigSm100(D, "bf16", causal, gran, local=local, softcap=30.0)
+    ptx = compile_sm100_timed("sm100_prefill_int8", (D, causal, gran, "softcap"), QKInt8PrefillSm100(cfg),
+                              prefill_sm100_compile_args())
+    assert ptx_count(ptx, r"tanh\.approx\.f32") == 128
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::i8") == D // 32
+    assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::f16") == 128 // 16
+    assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
+    assert ptx_count(ptx, r"ld\.global\.v4") == D // 16
+    assert ptx_count(ptx, r"tcgen05\.alloc") == 1 and ptx_count(ptx, r"tcgen05\.commit") == 2

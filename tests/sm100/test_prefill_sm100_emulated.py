@@ -131,3 +131,79 @@ def test_zero_scale_gives_no_nan():
     assert torch.isfinite(o).all()
     ref = attention_reference(q, k, v, causal=True)
     assert _cos(o, ref) > 0.999 and math.isfinite(float(lse[lse > -math.inf].sum()))
+
+
+# ---- softcap ------------------------------------------------------------------------------------------------------
+def _offset_k_inputs(B, Sq, Sk, Hq, Hkv, D, seed):
+    """Random bf16 inputs whose K has a mean of ~3 in every channel: smoothing takes q . k_mean (~3 in z units at
+    D128) out of each row's scores, so a capped kernel that forgot to add it back fails the tests below."""
+    q, k, v = fp8pv_inputs(B, Sq, Sk, Hq, Hkv, D, torch.float32, None, seed=seed)
+    return q.bfloat16(), (k + 3.0).bfloat16(), v.bfloat16()
+
+
+def _dequantized(q8, qs, k8, ks, k_mean, granularity):
+    """fp64 Q and K exactly as the int8 kernel sees them, K's smoothing mean added back: (B, S, H, D)."""
+    q_rows = 16 if granularity == "per_warp" else 128
+    rows, keys = torch.arange(q8.shape[1]), torch.arange(k8.shape[1])
+    qd = q8.double() * qs.double()[:, :, rows // q_rows].transpose(1, 2)[..., None]
+    kd = k8.double() * ks.double()[:, :, keys // 128].transpose(1, 2)[..., None] + k_mean.double()[:, None]
+    return qd, kd
+
+
+# (softcap, causal, window_size, granularity, Hq, Hkv, D): caps 1 and 2 are small enough that ignoring the cap
+# (or the smoothing shift) changes the output far beyond the INT8 error; 50 (Gemma 2's) barely caps random scores
+SOFTCAP_CASES = [
+    (1.0, True, (-1, -1), "per_warp", 4, 2, 128),
+    (2.0, False, (-1, -1), "per_block", 4, 1, 64),
+    (1.0, False, (64, 16), "per_warp", 4, 4, 128),
+    (2.0, True, (100, 0), "per_block", 6, 2, 128),
+    (50.0, True, (-1, -1), "per_warp", 4, 2, 128),
+    (50.0, False, (-1, -1), "per_block", 2, 1, 64),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"cap{c[0]:g}-{'causal' if c[1] else 'full'}"
+                         f"-w{c[2][0]}_{c[2][1]}-{c[3]}-g{c[4] // c[5]}-d{c[6]}")
+def test_softcap_vs_exact_attention(case):
+    """softcap vs fp64 attention of the unquantized inputs with the same cap (K with a per-channel mean of 3)."""
+    cap, causal, ws, gran, Hq, Hkv, D = case
+    q, k, v = _offset_k_inputs(1, 300, 383, Hq, Hkv, D, seed=int(cap) + D)
+    o, lse = emulate_prefill_sm100(q, k, v, causal=causal, granularity=gran, window_size=ws, softcap=cap,
+                                   return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=ws, softcap=cap, return_lse=True)
+    cos, nrmse = _cos(o, ref), _nrmse(o, ref)
+    print(f"sm100 prefill softcap {case}: cos {cos:.5f} nrmse {nrmse:.4f}")
+    assert cos >= 0.999 and nrmse <= 0.03, (cos, nrmse)
+    none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), none)
+    # measured <= 0.075: Q's int8 rounding times K's large mean shifts whole rows (the format's error, not the cap's)
+    assert torch.allclose(lse[~none].double(), ref_lse[~none], atol=0.1, rtol=0)
+    if cap <= 2.0:
+        # the test can tell: without the cap, or without K's smoothing shift (a kernel given no mean), it fails
+        nocap = attention_reference(q, k, v, causal=causal, window_size=ws)
+        assert _nrmse(o, nocap) > 0.2, _nrmse(o, nocap)
+        quant = quantize_qk_int8_reference(q, k, granularity=gran)[:4]  # no k_mean: no shift added back
+        no_shift = emulate_prefill_sm100(q, k, v, causal=causal, granularity=gran, window_size=ws, softcap=cap,
+                                         quantized=quant)
+        assert _nrmse(no_shift, ref) > 0.2, _nrmse(no_shift, ref)
+
+
+@pytest.mark.parametrize("cap,causal,gran,sq,sk,smooth", [(1.0, True, "per_warp", 257, 129, True),
+                                                           (2.0, False, "per_block", 129, 300, True),
+                                                           (0.5, True, "per_warp", 200, 383, False)])
+def test_softcap_kernel_error_vs_int8_reference(cap, causal, gran, sq, sk, smooth):
+    """softcap's own error: vs fp64 attention with the same cap over the *same* int8 Q/K (K's mean added back, as
+    the kernel does; an unsmoothed K has none): only P rounding, fp32 softmax and the fp32 shift remain. Rows of a
+    causal Sq > Sk that see no key stay 0 / -inf."""
+    q, k, v = _offset_k_inputs(2, sq, sk, 4, 2, 128, seed=sq + sk)
+    q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k, granularity=gran, smooth_k=smooth)[:5]
+    if k_mean is None:
+        k_mean = torch.zeros(2, 2, 128)
+    o, lse = emulate_prefill_sm100(q, k, v, causal=causal, granularity=gran, softcap=cap, return_lse=True,
+                                   quantized=(q8, qs, k8, ks, k_mean if smooth else None))
+    qd, kd = _dequantized(q8, qs, k8, ks, k_mean, gran)
+    ref, ref_lse = attention_reference(qd, kd, v, causal=causal, softcap=cap, return_lse=True)
+    none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), none)
+    assert torch.allclose(lse[~none].double(), ref_lse[~none], atol=2e-4, rtol=0)
+    assert _nrmse(o, ref) <= 0.005 and _cos(o, ref) >= 0.9999, (_nrmse(o, ref), _cos(o, ref))

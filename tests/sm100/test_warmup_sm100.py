@@ -48,3 +48,16 @@ def test_warmup_cli_compiles_sm100_decode_on_the_cpu(tmp_path):
     args = ["--arch", "sm_100a", "--kernels", "decode,combine", "--kv-formats", "nvfp4", "--head-dims", "64",
             "--gqa", "4", "--page-sizes", "16", "--jobs", "2"]
     check_compiles_then_cached(args, "sm_100a", 3, tmp_path)
+
+
+def test_softcap_twins_are_the_launcher_keys():
+    """``qattn-warmup --softcap 50`` adds each SM100 decode variant's softcap twin, with the key the launcher builds
+    for that cap (never ran on hardware)."""
+    kw = dict(kv_formats=["nvfp4"], head_dims=[128], gqa=[8], page_sizes=[64])
+    plain = {v.key for v in enumerate_variants("decode", "sm_100a", **kw)}
+    both = {v.key for v in enumerate_variants("decode", "sm_100a", softcaps=[50.0], **kw)}
+    assert plain < both and len(both) == 2 * len(plain)
+    cache = qattn.PagedKVCache(1, 4, 64, 2, 128, "nvfp4")
+    for split in (False, True):
+        cfg = sm100_config_for(cache, "bf16", 8, 1, True, split, softcap=50.0)
+        assert decode_sm100_cache_key("sm_100a", cfg) in both - plain

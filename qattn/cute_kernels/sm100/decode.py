@@ -34,6 +34,8 @@ One CTA = one (split, kv head, sequence); 128 threads, thread t = TMEM lane t = 
 * **Sliding window** (``cfg.window``; runtime ``window_left`` / ``window_right``, FlashAttention's semantics as
   ``qattn.interface.window`` normalizes them): the tile list starts at the tile holding the first query's first
   visible key, and each row masks positions left of its window as well as past its (shifted) causal edge.
+* **Soft-capping** (``cfg.softcap``, compile time): the host's scale gives z / softcap, each score goes through
+  ``tanh.approx.f32`` (``common/softcap.py``) before the mask, as on SM90.
 * **Split-KV**: split s of ``num_splits`` takes a contiguous range of 128-token tiles and writes its normalized
   fp32 partial O (num_splits, B, Sq, Hq, D) and natural-log LSE (num_splits, B, Hq, Sq): the layout
   ``combine.py`` merges, as on SM90. num_splits = 1 writes the output (q dtype) and LSE directly.
@@ -59,6 +61,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from qattn.cute_kernels.common.softcap import capped_log2
 from qattn.cute_kernels.sm100.decode_config import ROWS, TILE_N, DecodeConfigSm100
 from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
                                                issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
@@ -388,7 +391,11 @@ class DecodeSm100:
             mx = Float32(-math.inf)
             for i in cutlass.range_constexpr(cute.size(rS)):
                 pos = tile * TILE_N + tSc[i][1]
-                x = sel(pos <= lim, rS[i] * sl2, Float32(-math.inf), Float32)
+                keep = pos <= lim
+                x = rS[i] * sl2
+                if cutlass.const_expr(cfg.softcap > 0.0):  # sl2 gives z / softcap: the capped log2-domain logit
+                    x = capped_log2(x, cfg.softcap)
+                x = sel(keep, x, Float32(-math.inf), Float32)
                 if cutlass.const_expr(cfg.window):
                     x = sel(pos >= low, x, Float32(-math.inf), Float32)
                 rS[i] = x
@@ -553,10 +560,10 @@ def decode_sm100_cache_key(arch: str, cfg: DecodeConfigSm100) -> tuple:
 
 
 def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
-                          recent_windows=None, q_dtypes=None, sliding_window: bool = False) -> list:
+                          recent_windows=None, q_dtypes=None, sliding_window: bool = False, softcaps=None) -> list:
     """``qattn-warmup`` variants of the SM100 decode kernel, built through the launcher's own config choice
     (``qattn.interface.decode_sm100.sm100_config_for``'s rules): FP4 K and V formats only, causal, with and without
-    split-KV (``sliding_window``: also each one's window twin). Combinations the kernel rejects (ring windows,
+    split-KV (``sliding_window``: also each one's window twin; ``softcaps``: each one's twin per cap). Combinations the kernel rejects (ring windows,
     > 128 rows, non-FP4 formats, mxfp4 at head_dim 64) are skipped. Never ran on hardware: these variants are
     compiled for images, not tested."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
@@ -579,10 +586,12 @@ def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, 
                         if sq * g > ROWS:
                             continue
                         for qd in q_dtypes or ["bf16"]:
-                            for split, window in itertools.product((False, True),
-                                                                   (False, True) if sliding_window else (False,)):
+                            for split, window, cap in itertools.product(
+                                    (False, True), (False, True) if sliding_window else (False,),
+                                    [0.0] + [float(c) for c in softcaps or () if c]):
                                 try:
-                                    cfg = DecodeConfigSm100(k_fmt, v_fmt, d, qd, g, page, True, split, window=window)
+                                    cfg = DecodeConfigSm100(k_fmt, v_fmt, d, qd, g, page, True, split, window=window,
+                                                            softcap=cap)
                                 except ValueError:  # a format / head_dim the SM100 kernel does not take
                                     continue
                                 key = decode_sm100_cache_key(arch, cfg)
@@ -593,6 +602,6 @@ def sm100_decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, 
                                     DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
                                 label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + ("" if qd == "bf16" else f" {qd}")
                                          + (" split" if split else "") + (" window" if window else "")
-                                         + " (sm100, never ran)")
+                                         + (f" softcap {cap:g}" if cap else "") + " (sm100, never ran)")
                                 out.append(Variant("decode", key, label, build))
     return out

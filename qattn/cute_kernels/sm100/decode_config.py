@@ -67,6 +67,8 @@ class DecodeConfigSm100:
     # share the tiles from the one holding the first query's first visible key. Without it the window
     # arguments are unused.
     window: bool = False
+    # FlashAttention's ``softcap`` (compile time): scores z become softcap * tanh(z / softcap); 0.0: off
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -87,6 +89,10 @@ class DecodeConfigSm100:
                              "tcgen05 scale-factor atom holds 4 along K (mxfp4 block 32 needs head_dim 128)")
         for f in (self.k_fmt, self.v_fmt):
             f.check_head_dim(self.head_dim)
+        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                or not 0.0 <= self.softcap < float("inf")):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", float(self.softcap))
 
     @property
     def kind(self) -> str:
@@ -114,7 +120,8 @@ class DecodeConfigSm100:
     def key(self) -> tuple:
         f = lambda x: (x.payload, x.scale_dtype, x.scale_block, x.has_global_scale)  # noqa: E731
         return ("sm100_decode", f(self.k_fmt), f(self.v_fmt), self.head_dim, self.q_dtype, self.group,
-                self.page_size, self.causal, self.split, self.q_terms, self.stages) + (("window",) if self.window else ())
+                self.page_size, self.causal, self.split, self.q_terms, self.stages) + (
+                    ("window",) if self.window else ()) + ((("softcap", self.softcap),) if self.softcap else ())
 
 
 def check_rows(seqlen_q: int, group: int) -> None:

@@ -12,7 +12,9 @@ Per (sequence b, kv head h), rows r = i_q * G + g packed into 128, tiles of 128 
 3. s = S_raw * (scale_log2 * q_rs[r] * k_global) in fp32, masked (end-aligned causal, kv_len; with a
    ``window_size``, positions outside the row's window too: the host's normalization and flags,
    ``qattn.interface.window``, and the kernel's tile range, whose splits share the tiles from the one holding the
-   first query's first visible key).
+   first query's first visible key). With ``softcap`` c the scale is softmax_scale / c instead of
+   softmax_scale * log2 e and s becomes c * log2 e * tanh(s) before the mask (``tanh.approx.f32`` modelled as the
+   exact tanh rounded to fp32; the hardware's is within ~2^-11 relative).
 4. Online softmax per tile in fp32 (ex2 modelled as exact exp2 rounded to fp32): m, corr = 2^(m_old - m),
    p = 2^(s - m), l = l * corr + sum(p) with the *unrounded* p; O = O * corr.
 5. P rounded to the V MMA type (f16 for nvfp4 V, bf16 for MX V); V = E2M1 x block scale rounded to that type
@@ -56,7 +58,7 @@ def _gather(cache: PagedKVCache, layer: int, which: str, block_table, b: int, h:
 
 def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, layer: int = 0,
                          softmax_scale=None, causal: bool = True, num_splits: int = 1, q_terms: int = 1,
-                         return_lse: bool = False, window_size: tuple = (-1, -1)):
+                         return_lse: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0):
     """The SM100 kernel's output (B, Sq, Hq, D) fp32 and LSE (B, Hq, Sq), computed on the CPU as described in
     the module docstring."""
     from qattn.interface.window import resolve_window
@@ -70,7 +72,7 @@ def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, 
     G = Hq // H
     rows = Sq * G
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    sl2 = torch.tensor(scale * math.log2(math.e), dtype=torch.float32)
+    sl2 = torch.tensor(scale / softcap if softcap else scale * math.log2(math.e), dtype=torch.float32)
     vdt = torch.float16 if v_dtype_for(cache.v_format) == "f16" else torch.bfloat16
     qd, qsf, qrs = quantize_q(q.cpu(), H, cache.k_format, q_terms)
     Qv = dequantize_q(qd, qsf, qrs, cache.k_format)  # (T, B, H, 128, D)
@@ -105,6 +107,8 @@ def emulate_decode_sm100(q, cache: PagedKVCache, cache_seqlens, block_table, *, 
                     j = torch.arange(t * TILE_N, min((t + 1) * TILE_N, L))
                     Sraw = sum(Qv[k, b, h].double() @ K[j].double().T for k in range(q_terms)).float()
                     sc = Sraw * row_scale[:, None]
+                    if softcap:  # the kernel's FMUL by fp32(c * log2 e) after tanh.approx
+                        sc = torch.tanh(sc) * torch.tensor(softcap * math.log2(math.e), dtype=torch.float32)
                     visible = (j[None, :] <= lim[:, None]) & (j[None, :] >= low[:, None])
                     sc = torch.where(visible, sc, torch.tensor(float("-inf")))
                     m_new = torch.maximum(m, sc.amax(1))

@@ -25,6 +25,14 @@ Per CTA = (batch b, q head h, 128-row query block), in the kernel's order:
 6. Epilogue: ``out = fp32(O * fp32(1 / l))`` (``rcp.rn.f32``) rounded to V's dtype (0 for a row that sees no key),
    ``LSE = (m + log2 l) * ln 2`` (-inf for such a row).
 
+``softcap`` (the kernel's compile-time cap): ``scale_log2 = fp32(softmax_scale / softcap)`` instead, so
+``u = fp32(S * scale + shift)`` (one FFMA) is z / softcap, and ``x = fp32(fp32(softcap * log2 e) * tanh(u))``
+replaces step 3's x before the mask (masked keys -inf after the tanh). ``tanh.approx.f32`` is modelled as the
+exact tanh rounded to fp32 (the hardware's relative error is ~2^-11: far above fp32 rounding, far below the
+cap's effect). ``shift = fp32(fp32(q_scale * scale_log2) * dot)`` per row, ``dot = sum_c q_int8[c] * k_mean[c]``
+(K's smoothing mean; the kernel's sequential fp32 FMA chain modelled as an fp64 sum rounded once), 0 without a
+mean (an unsmoothed K).
+
 Tiles a causal CTA reads beyond one row's diagonal are fully masked for that row; they change nothing (corr is
 exactly 1, p exactly 0), exactly as in the kernel, so they are run here too (the CTA's own ``n_blocks``).
 """
@@ -59,10 +67,13 @@ def emulate_prefill_sm100(
     return_lse: bool = False,
     quantized: Optional[tuple] = None,
     window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
 ):
     """The SM100 kernel's output (B, Sq, Hq, D) in V's dtype and, with ``return_lse``, the natural-log LSE
     (B, Hq, Sq) fp32, computed on the CPU as the module docstring describes. q (B, Sq, Hq, D), k and v
-    (B, Sk, Hkv, D), v bf16 or fp16. ``quantized`` = (q_int8, q_scale, k_int8, k_scale) replaces step 1."""
+    (B, Sk, Hkv, D), v bf16 or fp16. ``quantized`` = (q_int8, q_scale, k_int8, k_scale[, k_mean]) replaces
+    step 1 (k_mean, read only with ``softcap``: the (B, Hkv, D) mean the kernel adds back; absent or None: no
+    shift, as the kernel with k_mean address 0). ``softcap > 0``: the soft-capped kernel."""
     if v.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"v: expected bf16 or fp16 (the P.V MMA type), got {v.dtype}")
     B, Sq, Hq, D = q.shape
@@ -74,16 +85,24 @@ def emulate_prefill_sm100(
         softmax_scale = 1.0 / math.sqrt(D)
     if quantized is None:
         quantized = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                               warp_q=WARP_Q, block_k=BLOCK_K)[:4]
+                                               warp_q=WARP_Q, block_k=BLOCK_K)[:5]
     q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
+    k_mean = quantized[4] if len(quantized) > 4 and softcap else None
     q_rows = WARP_Q if granularity == "per_warp" else BLOCK_Q
-    scale_log2 = float(torch.tensor(softmax_scale * math.log2(math.e), dtype=torch.float32))
+    # the host's scale (an fp32 kernel argument): z / softcap when capped, else z * log2 e
+    scale_log2 = float(torch.tensor(softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e),
+                                    dtype=torch.float32))
+    softcap_log2 = float(torch.tensor(softcap * math.log2(math.e), dtype=torch.float32))  # the kernel's constant
     vdt = v.dtype
     # (B, H, S, D) views; kv heads expanded to q heads (GQA: q head h reads kv head h // group)
     qi = q8.permute(0, 2, 1, 3).double()
     ki = k8.permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)
     vv = v.cpu().permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)  # exact: 16-bit -> fp64
     ks_h = ks.double().repeat_interleave(group, dim=1)  # (B, Hq, n_kb)
+    # softcap: sum_c q_int8[c] * k_mean[c] per (B, Hq, Sq) row (exact products, one fp32 rounding), 0 without a mean
+    dot = torch.zeros(B, Hq, Sq, dtype=torch.float64)
+    if k_mean is not None:
+        dot = _f32(qi @ k_mean.cpu().double().repeat_interleave(group, dim=1)[..., None])[..., 0]
     out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
     lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
     from qattn.interface.window import resolve_window
@@ -109,6 +128,7 @@ def emulate_prefill_sm100(
         # fp32(q_scale * scale_log2), one per row
         qsr = qs.double()[:, :, rows // q_rows]  # (B, Hq, rows)
         qs_log2 = _f32(_f32(qsr) * scale_log2)
+        shift = _f32(qs_log2 * dot[:, :, r0:r1])  # softcap: the row's smoothing shift, pre-tanh units
         m = torch.full((B, Hq, r1 - r0), -math.inf, dtype=torch.float64)
         l_ = torch.zeros(B, Hq, r1 - r0, dtype=torch.float64)
         o = torch.zeros(B, Hq, r1 - r0, D, dtype=torch.float64)
@@ -116,7 +136,10 @@ def emulate_prefill_sm100(
             c0, c1 = t * BLOCK_K, min(Sk, (t + 1) * BLOCK_K)
             s_int = qi[:, :, r0:r1] @ ki[:, :, c0:c1].transpose(-1, -2)  # exact integers
             scale = _f32(qs_log2 * ks_h[:, :, t, None])  # (B, Hq, rows)
-            x = _f32(s_int * scale[..., None])
+            if softcap:  # u = fp32(S * scale + shift) (FFMA), then the cap in log2 units
+                x = _f32(softcap_log2 * _f32(torch.tanh(_f32(s_int * scale[..., None] + shift[..., None]))))
+            else:
+                x = _f32(s_int * scale[..., None])
             cols = torch.arange(c0, c1)
             visible = (cols[None, :] < key_end[:, None]) & (cols[None, :] >= key_start[:, None])  # (rows, cols)
             x = torch.where(visible, x, torch.tensor(-math.inf, dtype=torch.float64))

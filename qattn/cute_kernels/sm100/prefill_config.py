@@ -39,6 +39,9 @@ class PrefillConfigSm100:
     # and, with ``causal``, j <= i + seqlen_k - seqlen_q + window_right (runtime); a CTA starts at the K/V tile of
     # its first row's first key. Without it the window arguments are unused.
     local: bool = False
+    # FlashAttention's ``softcap``: the logits z = softmax_scale * q.k become softcap * tanh(z / softcap) before the
+    # softmax (SM90's semantics). A compile-time constant (a model has one cap); 0.0: off
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -50,6 +53,10 @@ class PrefillConfigSm100:
             raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {self.granularity!r}")
         if self.kv_stages not in (1, 2, 3):
             raise ValueError(f"kv_stages: expected 1..3, got {self.kv_stages}")
+        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                or not 0.0 <= self.softcap < float("inf")):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", float(self.softcap))  # 50 and 50.0: one key
 
     @property
     def q_group_rows(self) -> int:
@@ -71,4 +78,5 @@ class PrefillConfigSm100:
         """Everything that changes the generated code (the compile-cache key, arch excluded)."""
         return ("sm100_prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype,
                 self.causal, self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.kv_stages) + (
-                    ("local",) if self.local else ())
+                    ("local",) if self.local else ()) + (
+                    (("softcap", self.softcap),) if self.softcap else ())  # plain keys unchanged

@@ -33,6 +33,11 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
   j >= i + seqlen_k - seqlen_q - window_left, and with ``causal`` j <= i + seqlen_k - seqlen_q + window_right; a
   CTA's tile loop starts at the tile of its first row's first key (K/V tiles, k scales and mask columns from there).
 * **GQA**: the CTA of q head h reads kv head h // (num_heads / num_kv_heads) (K/V re-read per q head: v0).
+* **Soft-capping** (``softcap``, compile time; SM90's semantics): the host passes scale_log2 = softmax_scale /
+  softcap, so u = S * scale + shift is z / softcap, and each score becomes softcap * log2 e * tanh.approx(u), masked
+  keys selected to -inf after the tanh (it would make them -softcap; ``common/softcap.py``). ``shift`` puts back the row's q . k_mean that
+  K's smoothing took out (softmax is invariant to it, the cap is not): once per CTA thread t reads its own int8 Q
+  row and K's mean from global memory (``_row_shift``). Non-capped kernels get neither address (no parameter).
 
 Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
 MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> registers), P -> TMEM, O *= corr in
@@ -54,6 +59,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
+from qattn.cute_kernels.common.softcap import capped_log2
 from qattn.cute_kernels.sm100.lockstep import (TmemRow, allocate_tmem, fmax, free_tmem, init_barriers,
                                                issue_pv_mma, lockstep_storage, make_pv_mma, row_epilogue, sel,
                                                softmax_exp2, store_row, tmem_s_o_p, tmem_stores_to_mma, wait_mma)
@@ -72,6 +78,7 @@ class QKInt8PrefillSm100:
         q_int8 (B, Sq, Hq, D) i8, k_int8 (B, Sk, Hkv, D) i8, v (B, Sk, Hkv, D) bf16/fp16
         q_scale (B, Hq, num_q_groups) fp32, k_scale (B, Hkv, num_k_blocks) fp32   (quantize_qk_int8)
         out (B, Sq, Hq, D) v dtype, lse (B, Hq, Sq) fp32 (natural log)
+        k_mean (B, Hkv, D) fp32: K's smoothing mean, read only by a ``softcap`` kernel (0: an unsmoothed K)
     """
 
     threads = 128
@@ -103,7 +110,7 @@ class QKInt8PrefillSm100:
         q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
         num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-        stream: cuda.CUstream,
+        k_mean_addr: Int64, stream: cuda.CUstream,
     ):
         cfg, D = self.cfg, self.D
         gmem = cute.AddressSpace.gmem
@@ -143,9 +150,12 @@ class QKInt8PrefillSm100:
                          + cute.size_in_bytes(self.v_dtype, cute.slice_(v_smem, (None, None, None, 0))))
 
         num_m_blocks = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        # softcap: the smoothing shift needs the int8 Q rows and K's mean; a plain kernel gets no parameter for them
+        capped = cutlass.const_expr(cfg.softcap > 0.0)
         self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, q_smem, k_smem, v_smem, p_tmem,
                     o_addr, lse_addr, q_scale_addr, k_scale_addr, batch, seqlen_q, seqlen_k, num_heads, num_kv_heads,
-                    num_q_groups, num_k_blocks, scale_log2, window_left, window_right).launch(
+                    num_q_groups, num_k_blocks, scale_log2, window_left, window_right,
+                    q_addr if capped else None, k_mean_addr if capped else None).launch(
                         grid=(num_m_blocks, num_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
                         stream=stream)
 
@@ -161,6 +171,7 @@ class QKInt8PrefillSm100:
         o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
         num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
+        q_addr, k_mean_addr,  # Int64 with ``softcap``, else None (no kernel parameter)
     ):
         cfg, D, ST = self.cfg, self.D, self.cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -244,6 +255,10 @@ class QKInt8PrefillSm100:
         if n_blocks > 0:
             qs_log2 = mQS[(b * num_heads + h) * num_q_groups + q_group] * scale_log2
         ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
+        shift = None  # softcap: the row's smoothing shift, in pre-tanh units
+        if cutlass.const_expr(cfg.softcap > 0.0):
+            shift = self._row_shift(q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv,
+                                    n_blocks)
         key_end = seqlen_k  # keys < key_end are visible to this row (local: and keys >= key_start)
         if cutlass.const_expr(cfg.causal):
             key_end = cutlass.min(seqlen_k, row + diag + 1)
@@ -285,7 +300,11 @@ class QKInt8PrefillSm100:
                 visible = col0 + tSc[i][1] < key_end
                 if cutlass.const_expr(cfg.local):
                     visible = visible & (col0 + tSc[i][1] >= key_start)
-                x = sel(visible, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
+                if cutlass.const_expr(cfg.softcap > 0.0):  # u = z / softcap (scale_log2 = softmax_scale / softcap)
+                    u = Float32(rSi[i]) * scale + shift
+                    x = sel(visible, capped_log2(u, cfg.softcap), Float32(-math.inf), Float32)
+                else:
+                    x = sel(visible, Float32(rSi[i]) * scale, Float32(-math.inf), Float32)
                 rS[i] = x
                 mx = fmax(mx, x)
             m_run, corr, psum = softmax_exp2(rS, mx, m_run)
@@ -315,6 +334,31 @@ class QKInt8PrefillSm100:
         free_tmem(tmem, tmem_ptr)
 
     # ======================================================================================================
+    @cute.jit
+    def _row_shift(self, q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv, n_blocks):
+        """``softcap``: the shift qs_log2 * sum_c q_int8[row, c] * k_mean[c] that K's smoothing took out of this
+        thread's scores, in the pre-tanh units of ``Float32(S) * scale`` (qs_log2 = q_scale * softmax_scale /
+        softcap). Once per CTA, straight from global memory: the thread's own int8 Q row (D contiguous bytes,
+        16-byte aligned: the launcher's tensors are) as 32-bit words, and the (batch, kv head) row of the fp32
+        mean, which all threads share (one broadcast load per channel). 0 for rows past seqlen_q (never read),
+        for a CTA without tiles and for ``k_mean_addr`` 0 (an unsmoothed K: no shift)."""
+        D = self.D
+        gmem = cute.AddressSpace.gmem
+        dot = Float32(0.0)
+        if (k_mean_addr != Int64(0)) & (row < seqlen_q) & (n_blocks > 0):
+            q_off = Int64(((b * seqlen_q + row) * num_heads + h) * D)  # bytes
+            gq = cute.make_tensor(cute.make_ptr(Int32, q_addr + q_off, gmem, assumed_align=16),
+                                  cute.make_layout(D // 4))
+            rq = cute.make_rmem_tensor(cute.make_layout(D // 4), Int32)
+            cute.autovec_copy(gq, rq)  # 128-bit loads
+            mean = cute.make_tensor(cute.make_ptr(Float32, k_mean_addr, gmem, assumed_align=4)
+                                    + (b * num_kv_heads + h_kv) * D, cute.make_layout(D))
+            for w in cutlass.range_constexpr(D // 4):
+                for e in cutlass.range_constexpr(4):
+                    q8 = (rq[w] << (24 - 8 * e)) >> 24  # byte e, sign-extended (arithmetic shift)
+                    dot = dot + Float32(q8) * mean[4 * w + e]
+        return qs_log2 * dot
+
     def _issue_kv(self, tile, stage, tmas, full, h_kv, b):
         """TMA of K/V tile ``tile`` (keys tile*128 ..) of kv head ``h_kv`` into ring slot ``stage``; one mbarrier
         counts the bytes of both (rows past seqlen_k are zero-filled by TMA and still counted)."""
@@ -327,7 +371,8 @@ class QKInt8PrefillSm100:
 
 def prefill_sm100_compile_args() -> list:
     """Placeholder arguments of :meth:`QKInt8PrefillSm100.__call__` to compile without a GPU (zero addresses)."""
-    return [Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), Int32(0), Int32(0), cute.runtime.make_fake_stream()]
+    return ([Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), Int32(0), Int32(0), Int64(0)]
+            + [cute.runtime.make_fake_stream()])
 
 
 def prefill_sm100_cache_key(arch: str, cfg: PrefillConfigSm100) -> tuple:

@@ -100,6 +100,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.common.softcap import capped_log2
 from qattn.cute_kernels.sm90.decode_config import HEAD_DIMS, DecodeConfig, choose_config
 from qattn.interface.variants import Variant, register
 from qattn.layouts.formats import FORMAT_NAMES, KVFormat, kv_format
@@ -909,6 +910,7 @@ class DecodeSm90:
                     x = acc[e] * sl2
                     if cutlass.const_expr(kf.scale == "row"):
                         x = x * views["ks_f"][tok_e, stage]
+                    x = self._capped(x)
                     keep = pos0 + tok_e <= lims[e // 2]
                     if cutlass.const_expr(pos_lo is not None):
                         keep = keep & (pos0 + tok_e >= pos_lo)
@@ -969,6 +971,13 @@ class DecodeSm90:
                     for e in range(4):
                         rO[4 * j + e] = out[e]
 
+    def _capped(self, x):
+        """``softcap``: the score x = z / softcap (the host's scale is softmax_scale / softcap) -> the capped logit
+        in the log2 domain (``common/softcap.py``; masking follows, so masked scores stay -inf)."""
+        if cutlass.const_expr(self.cfg.softcap > 0.0):
+            x = capped_log2(x, self.cfg.softcap)
+        return x
+
     def _compute_tile_narrow(self, kf: FmtInfo, vf: FmtInfo, kpre: str, vpre: str, TN: int, views, stage, pos0,
                              kv_len, lims, g, q4, tg, rQ, rO, rM, rL, sl2, o_scale, pos_lo, lows=None):
         """:meth:`_compute_tile` for at most 8 query rows, with both MMAs transposed (M = 16 tokens or 16 head
@@ -1001,6 +1010,7 @@ class DecodeSm90:
                 x = acc[e] * sl2
                 if cutlass.const_expr(kf.scale == "row"):
                     x = x * views["ks_f"][tok_e, stage]
+                x = self._capped(x)
                 keep = pos0 + tok_e <= lims[e % 2]
                 if cutlass.const_expr(pos_lo is not None):
                     keep = keep & (pos0 + tok_e >= pos_lo)
@@ -1077,18 +1087,19 @@ def _format_pair(name: str):
 
 @register("decode")
 def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_sizes=None, seqlen_q=None,
-                     recent_windows=None, q_dtypes=None, sink_tokens=None, sliding_window: bool = False, **_):
+                     recent_windows=None, q_dtypes=None, sink_tokens=None, sliding_window: bool = False,
+                     softcaps=None, **_):
     """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
     format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
     dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype);
-    ``sliding_window``: also the ``window_size`` variants."""
+    ``sliding_window``: also the ``window_size`` variants; ``softcaps``: also each one's twin per ``softcap``."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
         from qattn.cute_kernels.sm100.decode import sm100_decode_variants
 
         return sm100_decode_variants(arch, kv_formats, head_dims, gqa, page_sizes, seqlen_q, recent_windows,
-                                     q_dtypes, sliding_window)
+                                     q_dtypes, sliding_window, softcaps)
     if arch != "sm_90a":
         return []
     out, seen = [], set()
@@ -1104,10 +1115,12 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                             continue
                         for w, n in [(w, n) for w in recent_windows or [0] for n in sink_tokens or [0]]:
                             for qd in q_dtypes or ["bf16"]:
-                                for split, win in itertools.product(
-                                        (False, True), (False, True) if sliding_window else (False,)):
+                                for split, win, cap in itertools.product(
+                                        (False, True), (False, True) if sliding_window else (False,),
+                                        [0.0] + [float(c) for c in softcaps or () if c]):
                                     cfg = choose_config(pair[0], pair[1], d, page, qd, g, sq, True, split,
-                                                        ring_window=w, ring_dtype=qd, sink_tokens=n, window=win)
+                                                        ring_window=w, ring_dtype=qd, sink_tokens=n, window=win,
+                                                        softcap=cap)
                                     key = decode_cache_key(arch, cfg)
                                     if key in seen:
                                         continue
@@ -1117,6 +1130,6 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                                     label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + (f" W{w}" if w else "")
                                              + (f" N{n}" if n else "")
                                              + ("" if qd == "bf16" else f" {qd}") + (" split" if split else "")
-                                             + (" window" if win else ""))
+                                             + (" window" if win else "") + (f" softcap {cap:g}" if cap else ""))
                                     out.append(Variant("decode", key, label, build))
     return out

@@ -116,7 +116,8 @@ def tile_n_for(k_fmt: KVFormat, v_fmt: KVFormat) -> int:
 
 def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
                   seqlen_q: int, causal: bool, split: bool, ring_window: int = 0,
-                  ring_dtype: str = "bf16", sink_tokens: int = 0, window: bool = False) -> "DecodeConfig":
+                  ring_dtype: str = "bf16", sink_tokens: int = 0, window: bool = False,
+                  softcap: float = 0.0) -> "DecodeConfig":
     """The :class:`DecodeConfig` a decode call uses: the one place the launcher and ``qattn-warmup`` get it
     from, so a warmed variant has exactly the runtime key."""
     rows = seqlen_q * group
@@ -130,7 +131,7 @@ def choose_config(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
                         m_blocks=m_blocks_for(rows),
                         ring_window=int(ring_window), sink_tokens=int(sink_tokens),
                         ring_dtype=ring_dtype if (ring_window or sink_tokens) else "bf16",
-                        narrow=rows <= NARROW_ROWS and not tuning.wide, window=bool(window))
+                        narrow=rows <= NARROW_ROWS and not tuning.wide, window=bool(window), softcap=softcap)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class DecodeConfig:
     # window_left (runtime), and with ``causal`` j <= i + len - seqlen_q + window_right (runtime); the tiles left
     # of the first query's window are never loaded (with a ring or sink: of each part of the tile list).
     window: bool = False
+    # FlashAttention's ``softcap`` (compile time): scores z become softcap * tanh(z / softcap); 0.0: off
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -191,6 +194,10 @@ class DecodeConfig:
             raise ValueError(f"min_warps: expected 4 or 8, got {self.min_warps}")
         if self.tile_n % (16 * self.token_groups):
             raise ValueError("tile_n: must give every token group whole 16-token chunks")
+        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                or not 0.0 <= self.softcap < float("inf")):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", float(self.softcap))
 
     # --- derived ------------------------------------------------------------------------------------
     @property
@@ -226,7 +233,7 @@ class DecodeConfig:
         return ("sm90_decode", _read_key(self.k_fmt), _read_key(self.v_fmt), self.head_dim, self.q_dtype, self.group,
                 self.row_tiles, self.page_size, self.causal, self.split, self.tile_n, self.stages, self.min_warps,
                 self.m_blocks, self.ring_window, self.ring_dtype, self.sink_tokens, self.narrow) + (
-                    ("window",) if self.window else ())
+                    ("window",) if self.window else ()) + ((("softcap", self.softcap),) if self.softcap else ())
 
 
 def num_splits_heuristic(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,

@@ -107,6 +107,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from qattn.cute_kernels.common import fp4
+from qattn.cute_kernels.common.softcap import tanh_approx
 from qattn.cute_kernels.kv_insert import bf16x2_to_f32x2, f32x2_to_16x2, f32x4_to_e4m3x4, mul_rn
 from qattn.cute_kernels.sm90.qk_int8_quant import FP32_MIN_NORMAL, INT8_MAX, div_rn
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
@@ -184,13 +185,6 @@ def _round_s8x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def _f32_from_bits(x, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
-                                   has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _tanh_approx(x, *, loc=None, ip=None) -> Float32:
-    """tanh on the MUFU (``tanh.approx.f32``; max relative error ~2^-11): the soft-cap's."""
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
                                    has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
@@ -1349,7 +1343,7 @@ class QKInt8PrefillSm90:
                 if cutlass.const_expr(self._bq is not None):  # K's smoothing shift back (``_row_mean_logits``)
                     m_tile = m_tile + self._bq[i]
                 m_tile = cutlass.select_(mx == -Float32.inf, -Float32.inf,
-                                         Float32(softcap_log2) * _tanh_approx(m_tile))
+                                         Float32(softcap_log2) * tanh_approx(m_tile))
             m_new = cute.arch.fmax(row_max[i], m_tile)
             if cutlass.const_expr(not self.fp8):
                 if m_tile <= row_max[i] + Float32(LAZY_RESCALE_LOG2):
@@ -1372,7 +1366,7 @@ class QKInt8PrefillSm90:
                 if cutlass.const_expr(softcap_log2 > 0.0):  # softcap * tanh(z / softcap) in log2 units; masked
                     # scores (-inf) stay -inf (tanh would make them -softcap)
                     x = cutlass.select_(s_mn[i, j] == -Float32.inf, -Float32.inf,
-                                        Float32(softcap_log2) * _tanh_approx(x) - m_use)
+                                        Float32(softcap_log2) * tanh_approx(x) - m_use)
                 p = cute.math.exp2(x, fastmath=True)
                 s_mn[i, j] = p
                 ps.append(p)
