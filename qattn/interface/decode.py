@@ -75,6 +75,14 @@ def _check_arch(device: torch.device) -> str:
     return kernel_arch(device, "decode")  # 10.x: the SM100 dispatch hook -> decode_sm100.py
 
 
+def _tcgen05_takes(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int) -> bool:
+    """On SM100: whether the call runs the block-scaled tcgen05 kernel (FP4 pages, no ring or sink, <= 128 rows;
+    ``sm100.decode_config.tcgen05_takes``) rather than the portable mma.sync kernel compiled for sm_100a."""
+    from ..cute_kernels.sm100.decode_config import tcgen05_takes
+
+    return tcgen05_takes(cache.k_format, cache.v_format, cache.head_dim, cache.page_size, q_dtype, group, seqlen_q,
+                         cache.recent_window, cache.sink_tokens)
+
 
 def _get(kind: str, key: tuple, build, args):
     """The compiled kernel for ``key`` (arch first) from the shared compile cache: in memory, else on disk,
@@ -133,13 +141,16 @@ def _flash_attn_with_kvcache_eager(
     sequence b is in block ``block_table[b, t // page_size]``. The causal mask is aligned to the end of the cache
     (query i sees keys j <= i + len - seqlen_q). ``window_size=(left, right)``: FlashAttention's sliding window,
     query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
-    0); the pages (and ring rows) left of the window are not read (on SM100, whose cache has no ring or sink:
-    compile-checked and emulated only).
+    0); the pages (and ring rows) left of the window are not read.
     ``num_splits`` = 0 picks the split-KV count from host-known sizes. ``softcap > 0``: FlashAttention's logit
-    soft-capping, scores z become softcap * tanh(z / softcap) (on SM100 compile-checked and emulated only; not on a
-    cache whose K was smoothed by ``write_kv(k_mean=...)``, since the cap is not invariant to the shift smoothing
-    takes out: a ValueError).
+    soft-capping, scores z become softcap * tanh(z / softcap) (not on a cache whose K was smoothed by
+    ``write_kv(k_mean=...)``, since the cap is not invariant to the shift smoothing takes out: a ValueError).
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
+
+    Kernels: on SM90 the mma.sync kernel (``cute_kernels/sm90/decode.py``). On SM100 (compute capability 10.x;
+    compile-checked only, no Blackwell GPU was available) FP4 K and V pages without a ring or sink, at most 128
+    query rows per kv head, run the block-scaled tcgen05 kernel (``cute_kernels/sm100/decode.py``, emulated on the
+    CPU); every other call runs the same mma.sync kernel as SM90, compiled for sm_100a.
 
     Caches with a recent-token window W need ``seq_slots`` (batch,) int32, the ring slot of each batch row: the
     newest min(len, W) positions of sequence b are read from ``ring[seq_slots[b], :, position % W]`` (bf16 /
@@ -211,13 +222,15 @@ def _flash_attn_with_kvcache_eager(
         if tuple(out.shape) != tuple(q.shape) or out.device != q.device or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
     arch = _check_arch(q.device)
-    if arch == "sm_100a":  # --- SM100 dispatch hook (issue 6)
+    if arch == "sm_100a" and _tcgen05_takes(cache, _dtype_name(q.dtype), group, Sq):  # SM100 dispatch (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100
 
         return flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, seq_slots=seq_slots, layer=layer,
                                              softmax_scale=softmax_scale, window=window, num_splits=num_splits,
                                              return_lse=return_lse, out=out, softcap=softcap)
 
+    # SM90, and on SM100 every cache the tcgen05 kernel does not take: the portable mma.sync kernel, compiled for
+    # the device's arch
     from ..cute_kernels.sm90.decode_config import num_splits_heuristic
 
     dev = q.device

@@ -84,10 +84,15 @@ def test_decode_and_combine_listed(capsys):
     # defaults: 6 formats x 2 head_dims x gqa {1,4,8} x pages {16,64,128} x split on/off; combine: 2 head_dims
     assert "decode" in out and "combine" in out and f"{6 * 2 * 3 * 3 * 2 + 2} variants" in out
     assert "nvfp4 D128 gqa8 page16 sq1 split" in out and "D128 out bf16" in out
-    # sm_100a: the SM100 decode kernel's FP4 variants (tests/sm100/test_warmup_sm100.py) and the combine
+    # sm_100a (tests/sm100/test_warmup_sm100.py): the tcgen05 kernel's FP4 variants (nvfp4 and mxfp4_b16 at both
+    # head dims, mxfp4 at 128: 5 x 3 x 3 x 2), the mma.sync kernel's for the rest of the same grid, the combine
     assert warmup.main(["--arch", "sm_100a", "--dry-run", "--kernels", "decode,combine"]) == 0
     out = capsys.readouterr().out
-    assert "(sm100, never ran)" in out and "D128 out bf16" in out and " fp8 " not in out
+    assert f"{6 * 2 * 3 * 3 * 2 + 2} variants" in out and "D128 out bf16" in out
+    lines = out.splitlines()
+    assert sum(line.endswith("(sm100, never ran)") for line in lines) == 5 * 3 * 3 * 2
+    assert any(line.endswith(" fp8 D64 gqa1 page16 sq1 (mma.sync on sm100, never ran)") for line in lines)
+    assert not any(" nvfp4 " in line and "mma.sync" in line for line in lines)
 
 
 def test_decode_dry_run_filters(capsys):

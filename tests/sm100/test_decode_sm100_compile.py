@@ -86,3 +86,27 @@ def test_decode_sm100_softcap_compiles(split):
     for bad in (-1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="softcap"):
             DecodeConfigSm100(fmt, fmt, 128, "bf16", 8, 64, True, split, softcap=bad)
+
+
+@pytest.mark.parametrize("kf,vf,D,group,sq,split,W,N,window,cap", [
+    ("fp8", "fp8", 128, 4, 1, True, 0, 0, False, 0.0),
+    ("nvfp4", "nvfp4", 128, 8, 1, False, 64, 1, True, 30.0),
+    ("int8", "nvfp4", 64, 16, 16, True, 0, 0, False, 0.0),
+])
+def test_mma_sync_decode_compiles_for_sm100(kf, vf, D, group, sq, split, W, N, window, cap):
+    """What the tcgen05 kernel does not take runs on SM100 as the portable mma.sync decode kernel compiled for
+    sm_100a: its PTX is the sm_90a PTX (the kernel the H100 tests run) but for the ``.target`` line, and ptxas
+    builds it for sm_100a. Never ran on a Blackwell GPU."""
+    from qattn.cute_kernels.compile_utils import compile_for_arch
+    from qattn.cute_kernels.sm90.decode import DecodeSm90, decode_compile_args
+    from qattn.cute_kernels.sm90.decode_config import choose_config
+
+    cfg = choose_config(kv_format(kf), kv_format(vf), D, 16, "bf16", group, sq, True, split, ring_window=W,
+                        sink_tokens=N, window=window, softcap=cap)
+    ptx = compile_sm100_timed("mma_sync_decode", (kf, vf, D, group, sq, split, W, N, window, cap), DecodeSm90(cfg),
+                              decode_compile_args())
+    _, ptx90 = compile_for_arch(DecodeSm90(cfg), *decode_compile_args(), arch="sm_90a")
+    lines, lines90 = ptx.splitlines(), ptx90.splitlines()
+    assert ".target sm_100a" in lines and ".target sm_90a" in lines90
+    assert [x for x in lines if not x.startswith(".target")] == [x for x in lines90 if not x.startswith(".target")]
+    assert ptx_count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0 and ptx_count(ptx, r"tcgen05") == 0

@@ -99,3 +99,49 @@ def test_sm100_decode_softcap_reaches_the_kernel(monkeypatch):
     cache.k_smoothed = True
     with pytest.raises(ValueError, match="smoothed"):
         dec.flash_attn_with_kvcache(q, cache, lens, table, softcap=30.0)
+
+
+@pytest.mark.parametrize("fmt,W,N,group,sq,head_dim", [
+    ("fp8", 0, 0, 4, 1, 128), ("int8", 0, 0, 8, 2, 64), ("bf16", 0, 0, 4, 1, 128), (("int8", "nvfp4"), 0, 0, 4, 1, 128),
+    ("nvfp4", 64, 0, 4, 1, 128), ("nvfp4", 0, 1, 4, 1, 128), ("nvfp4", 0, 0, 16, 16, 128), ("mxfp4", 0, 0, 4, 1, 64)])
+def test_sm100_decode_runs_the_mma_sync_kernel_for_other_caches(monkeypatch, fmt, W, N, group, sq, head_dim):
+    """On compute capability 10.x, caches the tcgen05 kernel does not take (non-FP4 K or V, a ring, sinks, more
+    than 128 rows, mxfp4 at head_dim 64) run the portable mma.sync kernel compiled for sm_100a, not an error; FP4
+    pages it takes still go to the tcgen05 launcher."""
+    import qattn.interface.decode_sm100 as d100
+
+    class Launched(Exception):
+        pass
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: pytest.fail("tcgen05 path taken"))
+    seen = []
+
+    def kernels(arch, cache, qd, g, seqlen_q, *rest):
+        seen.append((arch, g, seqlen_q))
+        raise Launched
+
+    monkeypatch.setattr(dec, "_kernels", kernels)
+    cache = PagedKVCache(1, 8, 16, 2, head_dim, fmt, recent_window=W, sink_tokens=N, max_seqs=2 if W or N else 0)
+    q = torch.randn(2, sq, 2 * group, head_dim, dtype=torch.bfloat16)
+    lens = torch.tensor([20, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32) if W or N else None
+    with pytest.raises(Launched):
+        dec.flash_attn_with_kvcache(q, cache, lens, table, seq_slots=slots, num_splits=1)
+    assert seen == [("sm_100a", group, sq)]
+
+
+def test_sm100_decode_fp4_pages_take_the_tcgen05_kernel(monkeypatch):
+    import qattn.interface.decode_sm100 as d100
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(d100, "flash_attn_with_kvcache_sm100", lambda *a, **k: "tcgen05")
+    monkeypatch.setattr(dec, "_kernels", lambda *a, **k: pytest.fail("mma.sync path taken"))
+    lens = torch.tensor([20, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    for fmt, D, group, sq in (("nvfp4", 128, 8, 16), ("mxfp4", 128, 4, 1), ("mxfp4_b16", 64, 16, 8)):
+        q = torch.randn(2, sq, 2 * group, D, dtype=torch.bfloat16)
+        assert dec.flash_attn_with_kvcache(q, PagedKVCache(1, 8, 16, 2, D, fmt), lens, table) == "tcgen05"

@@ -21,10 +21,12 @@ def test_warmed_keys_are_the_launcher_keys():
                 for split in (False, True):
                     cfg = sm100_config_for(cache, "bf16", g, 1, True, split)
                     assert decode_sm100_cache_key("sm_100a", cfg) in keys
-    # what the SM100 kernel cannot take is not listed: mxfp4 (block 32) at head_dim 64, 8-bit formats, rings
-    assert not enumerate_variants("decode", "sm_100a", kv_formats=["mxfp4"], head_dims=[64])
-    assert not enumerate_variants("decode", "sm_100a", kv_formats=["fp8", "int8", "bf16"])
-    assert not enumerate_variants("decode", "sm_100a", kv_formats=["nvfp4"], recent_windows=[64])
+    # what the tcgen05 kernel cannot take (mxfp4's block 32 at head_dim 64, 8-bit formats, rings) is listed as the
+    # portable mma.sync kernel's variants only
+    for kw in (dict(kv_formats=["mxfp4"], head_dims=[64]), dict(kv_formats=["fp8", "int8", "bf16"]),
+               dict(kv_formats=["nvfp4"], recent_windows=[64])):
+        labels = [v.label for v in enumerate_variants("decode", "sm_100a", **kw)]
+        assert labels and all(label.endswith("(mma.sync on sm100, never ran)") for label in labels)
     assert {v.label for v in enumerate_variants("combine", "sm_100a", head_dims=[128])} == {"D128 out bf16"}
 
 
@@ -61,3 +63,34 @@ def test_softcap_twins_are_the_launcher_keys():
     for split in (False, True):
         cfg = sm100_config_for(cache, "bf16", 8, 1, True, split, softcap=50.0)
         assert decode_sm100_cache_key("sm_100a", cfg) in both - plain
+
+
+def test_portable_decode_variants_are_the_launcher_keys():
+    """On sm_100a the caches the tcgen05 kernel does not take (8-bit / 16-bit formats, mixed K/V with a non-FP4
+    side, a ring or sinks, more than 128 rows) are warmed as the mma.sync kernel compiled for sm_100a, with the key
+    flash_attn_with_kvcache builds for them; FP4 caches it takes are not warmed twice."""
+    from qattn.cute_kernels.sm90.decode import decode_cache_key
+    from qattn.interface.decode import _tcgen05_takes, decode_config_for
+
+    kw = dict(head_dims=[128], gqa=[8, 16], seqlen_q=[1, 16], page_sizes=[64], recent_windows=[0, 64],
+              sink_tokens=[0, 1])
+    fmts = ["nvfp4", "fp8", "int8+nvfp4", "bf16"]
+    keys = {v.key for v in enumerate_variants("decode", "sm_100a", kv_formats=fmts, **kw)}
+    portable = 0
+    for fmt in fmts:
+        for W, N, g, sq in [(W, N, g, sq) for W in (0, 64) for N in (0, 1) for g in (8, 16) for sq in (1, 16)]:
+            if sq * g > 256:
+                continue
+            pair = tuple(fmt.split("+")) if "+" in fmt else fmt
+            cache = qattn.PagedKVCache(1, 4, 64, 2, 128, pair, recent_window=W, sink_tokens=N,
+                                       max_seqs=2 if W or N else 0)
+            for split in (False, True):
+                mma_sync_key = decode_cache_key("sm_100a", decode_config_for(cache, "bf16", g, sq, True, split))
+                if _tcgen05_takes(cache, "bf16", g, sq):
+                    assert fmt == "nvfp4" and not (W or N) and sq * g <= 128
+                    assert decode_sm100_cache_key("sm_100a", sm100_config_for(cache, "bf16", g, sq, True, split)) in keys
+                    assert mma_sync_key not in keys
+                else:
+                    assert mma_sync_key in keys
+                    portable += 1
+    assert portable > 0

@@ -124,6 +124,22 @@ class DecodeConfigSm100:
                     ("window",) if self.window else ()) + ((("softcap", self.softcap),) if self.softcap else ())
 
 
+def tcgen05_takes(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
+                  seqlen_q: int, ring_window: int = 0, sink_tokens: int = 0) -> bool:
+    """Whether the tcgen05 decode kernel of this file takes a call: FP4 K and V (its block-scaled MMA), no
+    recent-token ring or sink buffer, at most 128 packed query rows, a page size and head_dim it knows (mxfp4's
+    block 32 needs head_dim 128). On compute capability 10.x every other call runs the portable mma.sync decode
+    kernel (``qattn.cute_kernels.sm90.decode.DecodeSm90``, compiled for sm_100a): the one place that rule lives,
+    used by the launcher and by ``qattn-warmup``."""
+    if ring_window or sink_tokens or seqlen_q * group > ROWS:
+        return False
+    try:
+        DecodeConfigSm100(k_fmt, v_fmt, head_dim, q_dtype, group, page_size, True, False)
+    except ValueError:  # a format, head_dim or page size the kernel does not take
+        return False
+    return True
+
+
 def check_rows(seqlen_q: int, group: int) -> None:
     """v0 packs all query rows of a kv head into one 128-row M tile."""
     if seqlen_q * group > ROWS:

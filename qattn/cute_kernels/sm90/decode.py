@@ -1092,17 +1092,21 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
     """The variants ``flash_attn_with_kvcache`` compiles, through the same ``choose_config``: for each
     format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
     dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype);
-    ``sliding_window``: also the ``window_size`` variants; ``softcaps``: also each one's twin per ``softcap``."""
+    ``sliding_window``: also the ``window_size`` variants; ``softcaps``: also each one's twin per ``softcap``.
+    On sm_100a, the dispatch of compute capability 10.x: the tcgen05 kernel's variants, and this kernel's for what
+    the tcgen05 kernel does not take (``sm100.decode_config.tcgen05_takes``)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
+    from qattn.cute_kernels.sm100.decode_config import tcgen05_takes
 
+    out, seen = [], set()
     if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
         from qattn.cute_kernels.sm100.decode import sm100_decode_variants
 
-        return sm100_decode_variants(arch, kv_formats, head_dims, gqa, page_sizes, seqlen_q, recent_windows,
-                                     q_dtypes, sliding_window, softcaps)
-    if arch != "sm_90a":
+        if 0 in (recent_windows or [0]) and 0 in (sink_tokens or [0]):  # it reads caches without ring or sink
+            out = sm100_decode_variants(arch, kv_formats, head_dims, gqa, page_sizes, seqlen_q, None, q_dtypes,
+                                        sliding_window, softcaps)
+    elif arch != "sm_90a":
         return []
-    out, seen = [], set()
     for name in kv_formats or FORMAT_NAMES:
         pair = _format_pair(name)
         if pair is None:
@@ -1115,6 +1119,8 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                             continue
                         for w, n in [(w, n) for w in recent_windows or [0] for n in sink_tokens or [0]]:
                             for qd in q_dtypes or ["bf16"]:
+                                if arch == "sm_100a" and tcgen05_takes(*pair, d, page, qd, g, sq, w, n):
+                                    continue  # the tcgen05 kernel's call on SM100
                                 for split, win, cap in itertools.product(
                                         (False, True), (False, True) if sliding_window else (False,),
                                         [0.0] + [float(c) for c in softcaps or () if c]):
@@ -1130,6 +1136,7 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
                                     label = (f"{name} D{d} gqa{g} page{page} sq{sq}" + (f" W{w}" if w else "")
                                              + (f" N{n}" if n else "")
                                              + ("" if qd == "bf16" else f" {qd}") + (" split" if split else "")
-                                             + (" window" if win else "") + (f" softcap {cap:g}" if cap else ""))
+                                             + (" window" if win else "") + (f" softcap {cap:g}" if cap else "")
+                                             + (" (mma.sync on sm100, never ran)" if arch == "sm_100a" else ""))
                                     out.append(Variant("decode", key, label, build))
     return out
