@@ -5,8 +5,8 @@ Thin by design: validate host-known facts, pick the compiled kernel from the sha
 :class:`~qattn.cute_kernels.sm90.prefill_config.PrefillConfig`), launch on torch's current stream. No host sync.
 
 Arch dispatch (``_check_arch``): compute capability 9.0 -> the SM90 kernel; 10.x -> the SM100 kernel
-(``prefill_sm100.py``, dense INT8 Q K^T with P.V in V's dtype only; NEVER RAN ON HARDWARE, compile-checked
-and emulated on the CPU); anything else a ValueError. What the SM100 kernel lacks (varlen, FP8 P.V, the
+(``prefill_sm100.py``, dense and varlen INT8 Q K^T with P.V in V's dtype only; NEVER RAN ON HARDWARE,
+compile-checked and emulated on the CPU); anything else a ValueError. What the SM100 kernel lacks (FP8 P.V, the
 16-bit Q K^T path) raises NotImplementedError before any launch: no silent fallback.
 """
 
@@ -432,9 +432,23 @@ def prefill_int8_varlen(
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
-    _check_sm100_options(dev, varlen=True)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     softcap = _softcap(softcap)
+    if _check_arch(dev) == "sm_100a":
+        from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_varlen_sm100
+
+        check_sm100_prefill_options(varlen=True, pv_dtype=pv_dtype, tuning=_tuning)
+        if quantize_q:
+            raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
+        k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
+        # the SM100 kernel addresses contiguous tensors (no strides): views are copied
+        q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
+        lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
+        prefill_int8_varlen_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v,
+                                  cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, out, lse,
+                                  window=window, softmax_scale=softmax_scale, granularity=granularity,
+                                  softcap=softcap, k_mean=k_mean)
+        return (out, lse) if return_lse else out
     k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
                   varlen=True, pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
@@ -784,8 +798,9 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
-    if q.is_cuda:  # SM100 has no varlen prefill: raise before the prepass launches
-        _check_sm100_options(q.device, varlen=True)
+    if q.is_cuda:  # SM100's limits before any launch (the prepass included), as in flash_attn_func
+        _check_sm100_options(q.device, varlen=True, pv_dtype=pv_dtype,
+                             qk_quant=None if qk_quant == "none" else qk_quant)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import _check_v
 

@@ -5,8 +5,9 @@ kernel is compile-checked for sm_100a and emulated on the CPU (``qattn.cute_kern
 The caller's tensors were validated by ``prefill.py`` already (shapes, dtypes, the prepass's scale shapes,
 which are the same on SM90 and SM100); this adds the SM100 kernel's own limits and launches it from the shared
 ``"prefill"`` compile cache with arch ``"sm_100a"``. What the SM100 kernel does not do raises here, never
-falls back to another path: varlen, FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides. Soft-capping
-(``softcap``) is a compile-time variant of the kernel, as on SM90.
+falls back to another path: FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides. Soft-capping
+(``softcap``), sliding windows and varlen (packed sequences, ``prefill_int8_varlen_sm100``) are compile-time
+variants of the kernel, as on SM90.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from .variants import Variant, cache_for
 
 __all__ = ["ARCH", "sm100_prefill_config_for", "check_sm100_prefill_options", "prefill_int8_sm100",
-           "sm100_prefill_variants"]
+           "prefill_int8_varlen_sm100", "sm100_prefill_variants"]
 
 ARCH = "sm_100a"
 _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -27,14 +28,12 @@ _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16", qk_quant: Optional[str] = "int8",
                                 tuning: Optional[dict] = None) -> None:
-    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included)."""
-    if varlen:
-        raise NotImplementedError("flash_attn_varlen_func: varlen prefill is not implemented on SM100 (compute "
-                                  "capability 10.x) yet; only dense flash_attn_func with qk_quant='int8', "
-                                  "pv_dtype='bf16'")
+    """Raise for what the SM100 prefill kernel does not implement (before any launch, prepass included). Dense
+    and varlen (``varlen``, only named in the messages) have the same limits."""
+    what = "flash_attn_varlen_func / prefill_int8_varlen" if varlen else "flash_attn_func / prefill_int8"
     if pv_dtype != "bf16":
-        raise NotImplementedError(f"pv_dtype: {pv_dtype!r} P.V is not implemented on SM100 yet; the SM100 prefill "
-                                  "runs P.V in V's 16-bit dtype (pv_dtype='bf16')")
+        raise NotImplementedError(f"pv_dtype: {pv_dtype!r} P.V is not implemented on SM100 yet ({what}); the SM100 "
+                                  "prefill runs P.V in V's 16-bit dtype (pv_dtype='bf16')")
     if qk_quant != "int8":
         raise NotImplementedError(f"qk_quant: {qk_quant!r} (the unquantized 16-bit A/B path) is not implemented on "
                                   "SM100; the SM100 prefill kernel takes qk_quant='int8' only")
@@ -43,15 +42,16 @@ def check_sm100_prefill_options(*, varlen: bool = False, pv_dtype: str = "bf16",
 
 
 def sm100_prefill_config_for(head_dim: int, v_dtype: torch.dtype, causal: bool, granularity: str,
-                             local: bool = False, softcap: float = 0.0):
-    """The :class:`PrefillConfigSm100` that ``prefill_int8`` uses on SM100 for these arguments (``causal`` /
-    ``local``: the flags of the call's ``qattn.interface.window.Window``; ``softcap``: the compile-time cap)."""
+                             local: bool = False, softcap: float = 0.0, varlen: bool = False):
+    """The :class:`PrefillConfigSm100` that ``prefill_int8`` (``varlen``: ``prefill_int8_varlen``) uses on SM100
+    for these arguments (``causal`` / ``local``: the flags of the call's ``qattn.interface.window.Window``;
+    ``softcap``: the compile-time cap)."""
     from ..cute_kernels.sm100.prefill_config import PrefillConfigSm100
 
     if v_dtype not in _V_DTYPES:
         raise TypeError(f"v: expected torch.bfloat16 or torch.float16, got {v_dtype}")
     return PrefillConfigSm100(head_dim=head_dim, v_dtype=_V_DTYPES[v_dtype], causal=bool(causal),
-                              granularity=granularity, local=bool(local), softcap=softcap)
+                              granularity=granularity, local=bool(local), softcap=softcap, varlen=bool(varlen))
 
 
 def _build(cfg):
@@ -95,15 +95,40 @@ def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torc
     scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2, *window.edges,
-            0 if k_mean is None or not softcap else k_mean.data_ptr())
+            0 if k_mean is None or not softcap else k_mean.data_ptr(), 0, 0, Sq)  # no cu_seqlens: dense
+    _launch(cfg, args, q_int8.device)
+
+
+def prefill_int8_varlen_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor,
+                              k_scale: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor, *,
+                              window, softmax_scale: float, granularity: str, softcap: float = 0.0,
+                              k_mean: Optional[torch.Tensor] = None) -> None:
+    """:func:`prefill_int8_sm100` for packed sequences (``prefill.prefill_int8_varlen``'s validated, contiguous,
+    16-byte aligned tensors): q_int8 (total_q, Hq, D), k_int8 / v (total_k, Hkv, D), cu_seqlens_q / _k int32
+    (num_seqs + 1,) on the device (read by the kernel only: no host sync), q_scale (num_seqs, Hq, groups of
+    max_seqlen_q), k_scale (num_seqs, Hkv, k blocks of max_seqlen_k), k_mean (num_seqs, Hkv, D) or None; writes
+    out (total_q, Hq, D) and lse (Hq, total_q). ``window``: resolved with max_seqlen_q / max_seqlen_k, as SM90's."""
+    Tq, Hq, D = q_int8.shape
+    Tk, Hkv = k_int8.shape[0], k_int8.shape[1]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
+        raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing")
+    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap, varlen=True)
+    scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    # batch = num_seqs (the grid's z and the scales' first dim), seqlen_q / seqlen_k = the packed totals
+    args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
+            k_scale.data_ptr(), num_seqs, Tq, Tk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2,
+            *window.edges, 0 if k_mean is None or not softcap else k_mean.data_ptr(), cu_seqlens_q.data_ptr(),
+            cu_seqlens_k.data_ptr(), int(max_seqlen_q))
     _launch(cfg, args, q_int8.device)
 
 
 def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_window: bool = False,
                            softcaps=None) -> list:
     """``qattn-warmup`` variants of the SM100 prefill kernel: head_dim x V dtype x causal x q-scale granularity
-    (dense, INT8 Q K^T, P.V in V's dtype; ``sliding_window``: each one's window twin; ``softcaps``: each one's
-    twin per positive cap), with the launcher's own keys. Never ran on hardware: these variants are compiled for
+    x (dense, varlen) (INT8 Q K^T, P.V in V's dtype; ``sliding_window``: each one's window twin; ``softcaps``: each
+    one's twin per positive cap), with the launcher's own keys. Never ran on hardware: these variants are compiled for
     images, not tested on a GPU."""
     from ..cute_kernels.sm100.prefill_config import HEAD_DIMS
     from ..cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
@@ -119,12 +144,13 @@ def sm100_prefill_variants(arch: str, head_dims=None, q_dtypes=None, sliding_win
             seen.add((d, dts[name]))
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
-                    for local in (False, True) if sliding_window else (False,):
-                        for cap in [0.0] + [float(c) for c in softcaps or () if c]:
-                            cfg = sm100_prefill_config_for(d, dts[name], causal, gran, local, cap)
-                            label = (f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran}"
-                                     f"{' window' if local else ''}{f' softcap {cap:g}' if cap else ''}"
-                                     " (sm100, never ran)")
-                            out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
-                                               lambda cfg=cfg: _build(cfg)))
+                    for varlen in (False, True):
+                        for local in (False, True) if sliding_window else (False,):
+                            for cap in [0.0] + [float(c) for c in softcaps or () if c]:
+                                cfg = sm100_prefill_config_for(d, dts[name], causal, gran, local, cap, varlen)
+                                label = (f"D{d} {cfg.v_dtype} {'causal' if causal else 'full'} {gran}"
+                                         f"{' varlen' if varlen else ''}{' window' if local else ''}"
+                                         f"{f' softcap {cap:g}' if cap else ''} (sm100, never ran)")
+                                out.append(Variant("prefill", prefill_sm100_cache_key(arch, cfg), label,
+                                                   lambda cfg=cfg: _build(cfg)))
     return out

@@ -148,8 +148,8 @@ def test_warmup_lists_the_runtime_prefill_keys():
             cfg = PrefillConfig(head_dim=128, v_dtype="bf16", causal=causal, granularity="per_block", varlen=varlen,
                                 qk_dtype="bf16")
             assert ("sm_90a",) + cfg.key in keys
-    # sm_100a: the SM100 kernel's 16 dense variants (tests/sm100/test_prefill_dispatch_sm100.py)
-    assert len(enumerate_variants("prefill", "sm_100a")) == 16
+    # sm_100a: the SM100 kernel's 16 dense variants and their 16 varlen twins (tests/sm100/test_prefill_dispatch_sm100.py)
+    assert len(enumerate_variants("prefill", "sm_100a")) == 32
     # --sliding-window: every variant's twin with a left window edge (causal ones: the right edge too)
     wkeys = {v.key for v in enumerate_variants("prefill", "sm_90a", sliding_window=True)}
     assert len(wkeys) == 2 * len(keys) and keys < wkeys

@@ -6,6 +6,7 @@ so nothing launches (the SM100 kernel never ran on hardware)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from qattn.cute_kernels.sm100.prefill_int8 import prefill_sm100_cache_key
 from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 from qattn.interface import prefill as pf
 from qattn.interface import prefill_sm100
-from qattn.quant.qk_int8 import quantize_qk_int8_reference
+from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
 
 
 @pytest.fixture
@@ -40,7 +41,14 @@ def gpu(monkeypatch):
                                              block_k=block_k, balance_qk=balance_q is not None)
             return out[2:]
 
+        def fake_varlen_prepass(q, k, cu_q, cu_k, max_q, max_k, *, granularity, smooth_k, block_q, warp_q, block_k,
+                                balance_qk=False):
+            return quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, max_q, max_k, granularity=granularity,
+                                                     smooth_k=smooth_k, block_q=block_q, warp_q=warp_q,
+                                                     block_k=block_k, balance_qk=balance_qk)
+
         monkeypatch.setattr(ql, "quantize_qk_int8", fake_prepass)
+        monkeypatch.setattr(ql, "quantize_qk_int8_varlen", fake_varlen_prepass)
         monkeypatch.setattr(ql, "quantize_k_int8", fake_k_prepass)
         monkeypatch.setattr(prefill_sm100, "_launch", lambda cfg, args, dev: calls.append(("sm100", cfg, args)))
         monkeypatch.setattr(pf, "_launch", lambda cfg, *args: calls.append(("sm90", cfg, args)))
@@ -71,6 +79,7 @@ def test_flash_attn_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran, b
     assert args[7:14] == (2, 200, 300, 4, 2, n_qg, 3)
     assert math.isclose(args[14], math.log2(math.e) / math.sqrt(D))
     assert all(isinstance(a, int) and a != 0 for a in args[:7])
+    assert args[18:] == (0, 0, 200)  # dense: no cu_seqlens, the grid from seqlen_q
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, 200)
     # the compile-cache key: the arch first, then everything that changes the code
     assert prefill_sm100_cache_key("sm_100a", cfg)[:2] == ("sm_100a", "sm100_prefill_int8")
@@ -104,9 +113,15 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
     # softcap with balance_qk needs the SM90 kernel that quantizes Q (it reads the balance the shift needs)
     with pytest.raises(NotImplementedError, match="softcap: with balance_qk=True only .* on SM90"):
         qattn.flash_attn_func(q, k, v, softcap=30.0, balance_qk=True)
+    # varlen has the same limits (raised before the varlen prepass, which would fail here)
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="varlen prefill is not implemented on SM100"):
-        qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100)
+    qv, kv, vv = q[0], k[0, :200], v[0, :200]
+    with pytest.raises(NotImplementedError, match=r"pv_dtype: 'fp8' P.V is not implemented on SM100 yet \(flash_attn_varlen"):
+        qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 100, 100, pv_dtype="fp8")
+    with pytest.raises(NotImplementedError, match="qk_quant: None .* not implemented on SM100"):
+        qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 100, 100, qk_quant=None)
+    with pytest.raises(NotImplementedError, match="softcap: with balance_qk=True only .* on SM90"):
+        qattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 100, 100, softcap=30.0, balance_qk=True)
     # the kernel-only entry points too
     q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k)
     with pytest.raises(ValueError, match="SM90 kernel knobs"):
@@ -115,12 +130,20 @@ def test_sm100_limits_raise_before_any_launch(gpu, monkeypatch):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, window_size=(-5, 0))
     with pytest.raises(ValueError, match="k_mean: softcap > 0 needs K's smoothing mean"):
         qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=50.0)
-    with pytest.raises(NotImplementedError, match="varlen"):
-        qattn.flash_attn_varlen_func(q[0], k[0, :200], v[0, :200], cu, cu, 100, 100, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="varlen"):
-        qattn.interface.prefill.prefill_int8_varlen(q8[0], qs[:1], k8[0], ks[:1], v[0],
-                                                    torch.tensor([0, 200], dtype=torch.int32),
-                                                    torch.tensor([0, 300], dtype=torch.int32), 200, 300)
+    cu_q, cu_k = torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32)
+    varlen_int8 = (q8[0], qs[:1], k8[0], ks[:1], v[0], cu_q, cu_k, 200, 300)
+    with pytest.raises(ValueError, match="SM90 kernel knobs"):
+        qattn.interface.prefill.prefill_int8_varlen(*varlen_int8, _tuning={"kv_stages": 3})
+    with pytest.raises(ValueError, match="k_mean: softcap > 0 needs K's smoothing mean"):
+        qattn.interface.prefill.prefill_int8_varlen(*varlen_int8, softcap=50.0)
+    with pytest.raises(ValueError, match=r"q_scale: None .* SM90 only"):  # Q quantized in the kernel: SM90's
+        qattn.interface.prefill.prefill_int8_varlen(q[0], None, *varlen_int8[2:])
+    from qattn.quant.v_fp8 import varlen_vt_keys
+
+    vt = torch.zeros(2, 128, varlen_vt_keys(300, 1), dtype=torch.float8_e4m3fn)  # a valid varlen V^T: SM100 raises
+    with pytest.raises(NotImplementedError, match="pv_dtype: 'fp8' P.V is not implemented on SM100"):
+        qattn.interface.prefill.prefill_int8_varlen(*varlen_int8[:4], vt, *varlen_int8[5:], pv_dtype="fp8",
+                                                    v_scale=torch.ones(1, 2, 128))
     assert calls == []
 
 
@@ -202,24 +225,26 @@ def test_sm100_softcap_variants_are_the_launcher_keys(capsys):
     assert warmup.main(["--arch", "sm_100a", "--dry-run", "--kernels", "prefill", "--head-dims", "64",
                         "--q-dtypes", "bf16", "--softcap", "50"]) == 0
     out = capsys.readouterr().out
-    assert "8 variants" in out and "softcap 50" in out
+    assert "16 variants" in out and "softcap 50" in out and "varlen softcap 50" in out
 
 
 def test_sm100_variants_are_the_launcher_keys():
     from qattn.interface.variants import enumerate_variants
 
     keys = {v.key for v in enumerate_variants("prefill", "sm_100a")}
-    assert len(keys) == 2 * 2 * 2 * 2  # head_dim x v dtype x causal x granularity
+    assert len(keys) == 2 * 2 * 2 * 2 * 2  # head_dim x v dtype x causal x granularity x (dense, varlen)
     for d in (64, 128):
         for dt in (torch.bfloat16, torch.float16):
             for causal in (False, True):
                 for gran in ("per_warp", "per_block"):
-                    cfg = prefill_sm100.sm100_prefill_config_for(d, dt, causal, gran)
-                    assert prefill_sm100_cache_key("sm_100a", cfg) in keys
+                    for varlen in (False, True):
+                        cfg = prefill_sm100.sm100_prefill_config_for(d, dt, causal, gran, varlen=varlen)
+                        assert prefill_sm100_cache_key("sm_100a", cfg) in keys
     assert not keys & {v.key for v in enumerate_variants("prefill", "sm_90a")}
     assert {v.key for v in enumerate_variants("prefill", "sm_100a", head_dims=[64], q_dtypes=["bf16", "f16"])} \
-        == {prefill_sm100_cache_key("sm_100a", prefill_sm100.sm100_prefill_config_for(64, dt, c, g))
-            for dt in (torch.bfloat16, torch.float16) for c in (False, True) for g in ("per_warp", "per_block")}
+        == {prefill_sm100_cache_key("sm_100a", prefill_sm100.sm100_prefill_config_for(64, dt, c, g, varlen=vl))
+            for dt in (torch.bfloat16, torch.float16) for c in (False, True) for g in ("per_warp", "per_block")
+            for vl in (False, True)}
 
 
 @pytest.mark.compile
@@ -227,4 +252,77 @@ def test_warmup_cli_compiles_sm100_prefill_on_the_cpu(tmp_path):
     from tests.interface.test_warmup import check_compiles_then_cached
 
     args = ["--arch", "sm_100a", "--kernels", "prefill", "--head-dims", "64", "--q-dtypes", "bf16", "--jobs", "2"]
-    check_compiles_then_cached(args, "sm_100a", 4, tmp_path)
+    check_compiles_then_cached(args, "sm_100a", 8, tmp_path)  # 4 dense + their varlen twins
+
+
+# ---- varlen ----------------------------------------------------------------------------------------------------
+def _packed_qkv(lens_q, lens_k, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)  # noqa: E731
+    return (torch.randn(sum(lens_q), Hq, D, generator=g).to(dtype),
+            torch.randn(sum(lens_k), Hkv, D, generator=g).to(dtype),
+            torch.randn(sum(lens_k), Hkv, D, generator=g).to(dtype), cu(lens_q), cu(lens_k))
+
+
+@pytest.mark.parametrize("D,dtype,causal,gran,ws,cap,balance", [
+    (128, torch.bfloat16, True, "per_warp", (-1, -1), 0.0, False),
+    (64, torch.float16, False, "per_block", (-1, -1), 0.0, True),
+    (128, torch.bfloat16, True, "per_block", (64, 0), 30.0, False),
+    (64, torch.bfloat16, False, "per_warp", (30, 30), 0.0, False),
+])
+def test_flash_attn_varlen_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran, ws, cap, balance):
+    """flash_attn_varlen_func on 10.x: the varlen prepass, then the varlen variant of the SM100 kernel with
+    batch = num_seqs, the packed totals as seqlen_q / seqlen_k, the padded scales, the cu_seqlens addresses and
+    max_seqlen_q (the grid); out (total_q, Hq, D), LSE (Hq, total_q). Nothing is read from cu_seqlens on the host
+    by the launcher (the prepass reference here does, the GPU prepass does not)."""
+    calls = gpu((10, 0))
+    lens_q, lens_k = [1, 300, 129, 64], [5, 300, 400, 1]
+    q, k, v, cu_q, cu_k = _packed_qkv(lens_q, lens_k, D=D, dtype=dtype)
+    out, lse = qattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 400, causal=causal, granularity=gran,
+                                            window_size=ws, softcap=cap, balance_qk=balance, return_lse=True)
+    assert len(calls) == 1 and calls[0][0] == "sm100"
+    _, cfg, args = calls[0]
+    window = qattn.interface.window.resolve_window(ws, causal, 300, 400)
+    assert cfg == prefill_sm100.sm100_prefill_config_for(D, dtype, window.causal, gran, window.local, cap,
+                                                         varlen=True)
+    assert cfg.varlen and cfg.key[-1] == "varlen"
+    n_qg = 3 * (8 if gran == "per_warp" else 1)  # groups of max_seqlen_q = 300
+    assert args[7:14] == (4, sum(lens_q), sum(lens_k), 4, 2, n_qg, 4)
+    scale = 1 / math.sqrt(D) / cap if cap else math.log2(math.e) / math.sqrt(D)
+    assert math.isclose(args[14], scale, rel_tol=1e-12)
+    assert tuple(args[15:17]) == window.edges and (args[17] != 0) == bool(cap)  # K's mean only when capped
+    assert args[18:] == (cu_q.data_ptr(), cu_k.data_ptr(), 300)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (4, sum(lens_q))
+
+
+def test_sm100_prefill_int8_varlen_passes_its_tensors(gpu):
+    """prefill_int8_varlen on SM100: the caller's int8 tensors, scales and K mean reach the kernel unchanged (no
+    copies of contiguous tensors), with the same validation as on SM90 (k_mean's per-sequence shape)."""
+    calls = gpu((10, 0))
+    lens_q, lens_k = [200, 0, 3], [300, 7, 0]
+    q, k, v, cu_q, cu_k = _packed_qkv(lens_q, lens_k)
+    q8, qs, k8, ks, k_mean = quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, 200, 300)
+    out, lse = qattn.interface.prefill.prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, 200, 300, causal=True,
+                                                           softcap=50.0, k_mean=k_mean, return_lse=True)
+    _, cfg, args = calls[0]
+    assert cfg == PrefillConfigSm100(128, "bf16", True, "per_warp", softcap=50.0, varlen=True)
+    assert args[:7] == (q8.data_ptr(), k8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), qs.data_ptr(),
+                        ks.data_ptr())
+    assert args[7:14] == (3, 203, 307, 4, 2, qs.shape[2], 3) and args[17] == k_mean.data_ptr()
+    assert lse.shape == (4, 203)
+    with pytest.raises(ValueError, match="k_mean"):
+        qattn.interface.prefill.prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, 200, 300, softcap=50.0,
+                                                    k_mean=k_mean[:1])
+    qattn.interface.prefill.prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, 200, 300)
+    assert not calls[1][1].causal and calls[1][2][17] == 0 and len(calls) == 2
+
+
+def test_sm100_varlen_packed_forms(gpu):
+    """flash_attn_varlen_qkvpacked_func / _kvpacked_func on SM100: the same varlen kernel (views are copied to
+    contiguous tensors for the SM100 kernel, which takes no strides)."""
+    calls = gpu((10, 0))
+    q, k, v, cu, _ = _packed_qkv([100, 28], [100, 28], Hkv=4)
+    qattn.flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu, 100, causal=True)
+    qattn.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 100, 100)
+    assert [c[0] for c in calls] == ["sm100"] * 2 and all(c[1].varlen for c in calls)
+    assert [c[1].causal for c in calls] == [True, False]

@@ -1,5 +1,5 @@
-"""CPU CI: every shipped SM100 INT8-QK prefill variant (head_dim 64/128 x causal x q-scale granularity x V dtype,
-16 in all) compiles for sm_100a, and its PTX holds the int8 tcgen05.mma (Q K^T), the 16-bit tcgen05.mma (P.V),
+"""CPU CI: every shipped dense SM100 INT8-QK prefill variant (head_dim 64/128 x causal x q-scale granularity x V
+dtype, 16 in all; varlen twins below) compiles for sm_100a, and its PTX holds the int8 tcgen05.mma (Q K^T), the 16-bit tcgen05.mma (P.V),
 TMA loads, TMEM allocation and the TMEM loads/stores with their waits. Compile times are appended to
 ``$QATTN_COMPILE_TIMES`` (default: none) and printed. NOTE: this kernel never ran on hardware."""
 
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from qattn.cute_kernels.compile_utils import ptx_count
+from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
 from qattn.cute_kernels.sm100.prefill_config import PrefillConfigSm100
 from qattn.cute_kernels.sm100.prefill_int8 import QKInt8PrefillSm100, prefill_sm100_compile_args
 from tests.sm100._cases import compile_sm100_timed
@@ -86,3 +86,47 @@ def test_prefill_sm100_softcap_compiles(D, causal, gran, local):
     assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
     assert ptx_count(ptx, r"ld\.global\.v4") == D // 16
     assert ptx_count(ptx, r"tcgen05\.alloc") == 1 and ptx_count(ptx, r"tcgen05\.commit") == 2
+
+
+def _ptxas_spills(ptx: str):
+    """Bytes of local-memory spill stores ptxas reports for sm_100a (None without ptxas on the PATH)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("ptxas") is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as fh:
+        fh.write(ptx)
+        fh.flush()
+        res = subprocess.run(["ptxas", "-arch=sm_100a", "-v", fh.name, "-o", "/dev/null"], capture_output=True,
+                             text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr))
+
+
+@pytest.mark.parametrize("D,causal,gran,vd,local,cap", [(128, True, "per_warp", "bf16", False, 0.0),
+                                                        (64, False, "per_block", "fp16", False, 0.0),
+                                                        (128, True, "per_block", "bf16", True, 30.0),
+                                                        (64, False, "per_warp", "bf16", True, 0.0)])
+def test_prefill_sm100_varlen_compiles(D, causal, gran, vd, local, cap):
+    """``varlen``: the same MMAs, TMEM traffic and conversions as the dense twin; TMA over the packed tensors as
+    one batch (3-d boxes, the batch mode gone), the cu_seqlens reads, and no ptxas spills where the dense twin has
+    none (never ran on hardware)."""
+    dense = PrefillConfigSm100(D, vd, causal, gran, local=local, softcap=cap)
+    cfg = PrefillConfigSm100(D, vd, causal, gran, local=local, softcap=cap, varlen=True)
+    assert cfg.key == dense.key + ("varlen",) and "varlen" not in dense.key
+    ptx = compile_sm100_timed("sm100_prefill_int8", (D, causal, gran, vd, local, cap, "varlen"),
+                              QKInt8PrefillSm100(cfg), prefill_sm100_compile_args())
+    _, ptx_dense = compile_for_arch(QKInt8PrefillSm100(dense), *prefill_sm100_compile_args(), arch="sm_100a")
+    for pat in (r"tcgen05\.mma\.cta_group::1\.kind::i8", r"tcgen05\.mma\.cta_group::1\.kind::f16", r"tcgen05\.mma",
+                r"tcgen05\.alloc", r"tcgen05\.dealloc", r"tcgen05\.commit", r"tcgen05\.wait::ld",
+                r"cvt\.rn\.f32\.s32", r"cvt\.rn\.(bf16|f16)x2\.f32", r"tanh\.approx\.f32", r"cp\.async\.bulk\.tensor"):
+        assert ptx_count(ptx, pat) == ptx_count(ptx_dense, pat), pat
+    assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
+    assert ptx_count(ptx, r"cp\.async\.bulk\.tensor\.3d") > 0 and ptx_count(ptx, r"cp\.async\.bulk\.tensor\.4d") == 0
+    assert ptx_count(ptx_dense, r"cp\.async\.bulk\.tensor\.4d") > 0
+    spills, spills_dense = _ptxas_spills(ptx), _ptxas_spills(ptx_dense)
+    print(f"ptxas spill stores: varlen {spills}, dense {spills_dense}")
+    if spills_dense == 0:
+        assert spills == 0

@@ -12,13 +12,14 @@ reference itself, i.e. the SM90 INT8-QK/bf16-PV numbers; kernel error 0.15-0.24 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from qattn.cute_kernels.sm100.emulate_prefill import emulate_prefill_sm100
-from qattn.quant.qk_int8 import quantize_qk_int8_reference
+from qattn.cute_kernels.sm100.emulate_prefill import emulate_prefill_sm100, emulate_prefill_varlen_sm100
+from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
 from qattn.reference.attention import attention_reference, prefill_reference
 from tests.reference.test_prefill_fp8pv import _cos, _nrmse, fp8pv_inputs
 
@@ -207,3 +208,114 @@ def test_softcap_kernel_error_vs_int8_reference(cap, causal, gran, sq, sk, smoot
     assert torch.equal(torch.isinf(lse), none)
     assert torch.allclose(lse[~none].double(), ref_lse[~none], atol=2e-4, rtol=0)
     assert _nrmse(o, ref) <= 0.005 and _cos(o, ref) >= 0.9999, (_nrmse(o, ref), _cos(o, ref))
+
+
+# ---- varlen (packed sequences) --------------------------------------------------------------------------------------
+def _packed(lens_q, lens_k, Hq, Hkv, D, dtype, seed, k_offset=0.0):
+    """Per-sequence random inputs (K offset by ``k_offset`` in every channel) and their packed concatenation with
+    int32 cu_seqlens: (seqs, q, k, v, cu_q, cu_k)."""
+    seqs = []
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        q, k, v = fp8pv_inputs(1, lq, lk, Hq, Hkv, D, torch.float32, None, seed=seed + i)
+        seqs.append((q.to(dtype), (k + k_offset).to(dtype), v.to(dtype)))
+    cat = lambda j: torch.cat([s[j][0] for s in seqs])  # noqa: E731
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)  # noqa: E731
+    return seqs, cat(0), cat(1), cat(2), cu(lens_q), cu(lens_k)
+
+
+# (lens_q, lens_k, causal, window_size, softcap, granularity, Hq, Hkv, D, V dtype): ragged lengths -- 1-token
+# sequences, an empty query sequence, a sequence of 0 keys, lengths that are not multiples of 128 (tiles that cross
+# into the next sequence), Sq != Sk both ways (causal rows that see no key)
+VARLEN_CASES = [
+    ([1, 300, 129, 0, 64, 200], [5, 300, 400, 7, 1, 130], False, (-1, -1), 0.0, "per_warp", 4, 2, 128,
+     torch.bfloat16),
+    ([1, 300, 129, 64, 200], [1, 300, 400, 0, 130], True, (-1, -1), 0.0, "per_block", 4, 1, 64, torch.float16),
+    ([257, 3, 140], [129, 3, 383], True, (-1, -1), 0.0, "per_warp", 6, 2, 64, torch.bfloat16),  # Sq > Sk
+    ([200, 77, 300], [383, 77, 129], True, (100, 0), 0.0, "per_warp", 4, 2, 128, torch.bfloat16),
+    ([200, 77, 300], [383, 77, 129], False, (64, 16), 0.0, "per_block", 4, 4, 64, torch.float16),
+    ([130, 1, 250], [300, 40, 250], True, (-1, -1), 1.0, "per_warp", 4, 2, 128, torch.bfloat16),
+    ([130, 1, 250], [300, 40, 250], False, (50, 20), 2.0, "per_block", 4, 1, 64, torch.bfloat16),
+]
+
+
+def _varlen_id(c):
+    return (f"{'causal' if c[2] else 'full'}-w{c[3][0]}_{c[3][1]}-cap{c[4]:g}-{c[5]}-g{c[6] // c[7]}-d{c[8]}"
+            f"-{str(c[9])[6:]}-{len(c[0])}seqs")
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+def test_varlen_vs_per_sequence_references(case):
+    """Each sequence of the varlen emulation against fp64 attention of that sequence alone: over the same int8 Q/K
+    (K's mean added back with a softcap: the kernel's own error) and over the unquantized inputs (the total
+    error). A sequence without keys writes 0 and LSE -inf; an empty one writes nothing."""
+    lens_q, lens_k, causal, ws, cap, gran, Hq, Hkv, D, dt = case
+    seqs, q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, Hq, Hkv, D, dt, seed=D + Hq, k_offset=3.0 if cap else 0.0)
+    mq, mk = max(lens_q), max(lens_k)
+    o, lse = emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, mq, mk, causal=causal, granularity=gran,
+                                          window_size=ws, softcap=cap, return_lse=True)
+    assert o.shape == q.shape and o.dtype == dt and lse.shape == (Hq, q.shape[0])
+    row = 0
+    for (qi, ki, vi), lq, lk in zip(seqs, lens_q, lens_k):
+        got, got_lse = o[row:row + lq][None], lse[:, row:row + lq][None]
+        row += lq
+        if lq == 0:
+            continue
+        if lk == 0:  # no keys: 0 and -inf, as the kernel writes a row without visible keys
+            assert (got == 0).all() and torch.isinf(got_lse).all() and (got_lse < 0).all()
+            continue
+        if cap:  # the capped kernel adds K's smoothing mean back: fp64 over the int8 Q/K with the mean
+            q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(qi, ki, granularity=gran)[:5]
+            qd, kd = _dequantized(q8, qs, k8, ks, k_mean, gran)
+            ref, ref_lse = attention_reference(qd, kd, vi, causal=causal, window_size=ws, softcap=cap,
+                                               return_lse=True)
+        else:  # softmax is invariant to the mean: fp64 over the int8 Q/K (smoothed K), LSE included
+            ref, ref_lse = prefill_reference(qi, ki, vi, causal=causal, qk_quant="int8", granularity=gran,
+                                             window_size=ws, return_lse=True)
+        none = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(got_lse), none)
+        assert (got.permute(0, 2, 1, 3)[none] == 0).all()
+        if none.all():
+            continue
+        assert torch.allclose(got_lse[~none].double(), ref_lse[~none], atol=2e-4, rtol=0)
+        bound = 0.005 if dt == torch.bfloat16 else 0.002
+        assert _nrmse(got, ref) <= bound and _cos(got, ref) >= 0.9999, (lq, lk, _nrmse(got, ref))
+        exact = attention_reference(qi, ki, vi, causal=causal, window_size=ws, softcap=cap)
+        if lq * lk >= 1000:  # a few scores are too few for an NRMSE bound of the INT8 format's error
+            assert _cos(got, exact) >= 0.999 and _nrmse(got, exact) <= 0.03, (lq, lk, _nrmse(got, exact))
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+def test_varlen_equals_dense_per_sequence(case):
+    """The varlen model is the dense model run on each sequence alone, bit for bit (outputs and LSE): the keys a
+    tile reads past its sequence's end (the next sequence's) are masked, P = 0 there, and 0 * finite V adds
+    exactly 0; the per-sequence scales, k means and masks are the dense ones."""
+    lens_q, lens_k, causal, ws, cap, gran, Hq, Hkv, D, dt = case
+    seqs, q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, Hq, Hkv, D, dt, seed=D, k_offset=3.0 if cap else 0.0)
+    o, lse = emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                          granularity=gran, window_size=ws, softcap=cap, return_lse=True)
+    row = 0
+    for (qi, ki, vi), lq, lk in zip(seqs, lens_q, lens_k):
+        if lq and lk:
+            od, ld = emulate_prefill_sm100(qi, ki, vi, causal=causal, granularity=gran, window_size=ws, softcap=cap,
+                                           return_lse=True)
+            assert torch.equal(o[row:row + lq], od[0]) and torch.equal(lse[:, row:row + lq], ld[0])
+        row += lq
+
+
+def test_varlen_tiles_read_the_next_sequence():
+    """A tile crossing a sequence's end holds the next sequence's keys and values (the kernel's TMA reads the
+    packed rows): large finite values there change nothing (masked keys, P = 0), but an inf V row makes NaN -- the
+    kernel assumes finite V, as SM90's does (so does a causally masked key inside one sequence's tile)."""
+    seqs, q, k, v, cu_q, cu_k = _packed([100, 50], [100, 50], 2, 1, 64, torch.bfloat16, seed=3)
+    base = emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, 100, 100, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[100:] = 100.0  # the second sequence's keys would dominate the first's rows if they were not masked
+    v2[100:] = 1e4
+    loud = emulate_prefill_varlen_sm100(q, k2, v2, cu_q, cu_k, 100, 100, causal=True)
+    assert torch.equal(loud[:100], base[:100])
+    v2[120] = float("inf")  # in the first sequence's (only) tile, masked for all of its rows
+    poisoned = emulate_prefill_varlen_sm100(q, k, v2, cu_q, cu_k, 100, 100, causal=True)
+    assert torch.isnan(poisoned[:100]).all()
+    # the scales are the varlen prepass's: passing them explicitly gives the same result
+    quant = quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, 100, 100)[:4]
+    assert torch.equal(emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, 100, 100, causal=True, quantized=quant), base)

@@ -35,6 +35,14 @@ mean (an unsmoothed K).
 
 Tiles a causal CTA reads beyond one row's diagonal are fully masked for that row; they change nothing (corr is
 exactly 1, p exactly 0), exactly as in the kernel, so they are run here too (the CTA's own ``n_blocks``).
+
+Varlen (``emulate_prefill_varlen_sm100``, the kernel's ``varlen`` variant): the prepass is
+``quantize_qk_int8_varlen_reference`` (scales padded per sequence), the window is resolved with max_seqlen_q /
+max_seqlen_k (as the launcher does), and each sequence runs the dense model above in its own coordinates, with
+one difference that is the kernel's: a K/V tile is the 128 packed rows from the tile's start, so a tile crossing
+the sequence's end holds the next sequence's keys and values (zeros past the last row). The keys are masked, so
+their P is exactly 0 and their V rows add exactly 0 -- if they are finite (an inf / NaN there makes NaN, in the
+kernel as here). CTAs past a sequence's rows do nothing (the kernel's early exit).
 """
 
 from __future__ import annotations
@@ -47,12 +55,28 @@ import torch
 from qattn.cute_kernels.sm100.prefill_config import BLOCK_K, BLOCK_Q, WARP_Q
 from qattn.quant.qk_int8 import quantize_qk_int8_reference
 
-__all__ = ["emulate_prefill_sm100"]
+__all__ = ["emulate_prefill_sm100", "emulate_prefill_varlen_sm100"]
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """Round to fp32 (RNE) and carry on in fp64."""
     return x.to(torch.float32).to(torch.float64)
+
+
+def _launch_constants(v, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale, granularity: str,
+                      softcap: float):
+    """What the launcher fixes for a call: (GQA group, q rows per q scale, the fp32 score scale argument -- z /
+    softcap when capped, else z * log2 e --, the kernel's fp32 softcap * log2 e); checks V's dtype and the heads."""
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"v: expected bf16 or fp16 (the P.V MMA type), got {v.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"k: num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    return (num_heads // num_kv_heads, WARP_Q if granularity == "per_warp" else BLOCK_Q,
+            float(torch.tensor(scale_log2, dtype=torch.float32)),
+            float(torch.tensor(softcap * math.log2(math.e), dtype=torch.float32)))
 
 
 def emulate_prefill_sm100(
@@ -74,25 +98,15 @@ def emulate_prefill_sm100(
     (B, Sk, Hkv, D), v bf16 or fp16. ``quantized`` = (q_int8, q_scale, k_int8, k_scale[, k_mean]) replaces
     step 1 (k_mean, read only with ``softcap``: the (B, Hkv, D) mean the kernel adds back; absent or None: no
     shift, as the kernel with k_mean address 0). ``softcap > 0``: the soft-capped kernel."""
-    if v.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"v: expected bf16 or fp16 (the P.V MMA type), got {v.dtype}")
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    if Hq % Hkv:
-        raise ValueError(f"k: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
-    group = Hq // Hkv
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+    Sk = k.shape[1]
+    group, q_rows, scale_log2, softcap_log2 = _launch_constants(v, Hq, k.shape[2], D, softmax_scale, granularity,
+                                                                softcap)
     if quantized is None:
         quantized = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                                warp_q=WARP_Q, block_k=BLOCK_K)[:5]
     q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
     k_mean = quantized[4] if len(quantized) > 4 and softcap else None
-    q_rows = WARP_Q if granularity == "per_warp" else BLOCK_Q
-    # the host's scale (an fp32 kernel argument): z / softcap when capped, else z * log2 e
-    scale_log2 = float(torch.tensor(softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e),
-                                    dtype=torch.float32))
-    softcap_log2 = float(torch.tensor(softcap * math.log2(math.e), dtype=torch.float32))  # the kernel's constant
     vdt = v.dtype
     # (B, H, S, D) views; kv heads expanded to q heads (GQA: q head h reads kv head h // group)
     qi = q8.permute(0, 2, 1, 3).double()
@@ -103,12 +117,28 @@ def emulate_prefill_sm100(
     dot = torch.zeros(B, Hq, Sq, dtype=torch.float64)
     if k_mean is not None:
         dot = _f32(qi @ k_mean.cpu().double().repeat_interleave(group, dim=1)[..., None])[..., 0]
-    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
-    lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
     from qattn.interface.window import resolve_window
 
     # what prefill_int8 launches for these arguments: the causal flag, the window flag and the runtime edges
     window = resolve_window(window_size, causal, Sq, Sk)
+    out, lse = _sequence(qi, ki, vv, qs.double(), ks_h, dot, Sk, window, q_rows, scale_log2, softcap, softcap_log2,
+                         vdt)
+    out = out.permute(0, 2, 1, 3).to(vdt)
+    lse = lse.to(torch.float32)
+    return (out, lse) if return_lse else out
+
+
+def _sequence(qi, ki, vv, qs, ks_h, dot, Sk: int, window, q_rows: int, scale_log2: float, softcap: float,
+              softcap_log2: float, vdt):
+    """The CTAs of one batch of sequences of equal lengths: qi (B, Hq, Sq, D) int8 Q, ki / vv (B, Hq, >= Sk, D) the
+    keys and values from the sequence's first one on (varlen: the packed rows after them too, which a tile crossing
+    key Sk reads and masks, as the kernel's TMA does), qs (B, Hq, q groups), ks_h (B, Hq, k blocks) fp64, dot
+    (B, Hq, Sq) the softcap shift's q . k_mean. Returns out (B, Hq, Sq, D) fp64 and the natural-log LSE (B, Hq, Sq).
+    """
+    B, Hq, Sq, D = qi.shape
+    rows_kv = ki.shape[2]  # rows a tile can reach: Sk (dense), or up to the end of the packed tensor (varlen)
+    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
     causal, local = window.causal, window.local
     w_left, w_right = window.edges
     diag = Sk - Sq
@@ -126,14 +156,16 @@ def emulate_prefill_sm100(
             key_end = torch.clamp(rows + diag + 1 + (w_right if local else 0), max=Sk)
         key_start = rows + diag - w_left if local else torch.full_like(rows, -(2**40))
         # fp32(q_scale * scale_log2), one per row
-        qsr = qs.double()[:, :, rows // q_rows]  # (B, Hq, rows)
+        qsr = qs[:, :, rows // q_rows]  # (B, Hq, rows)
         qs_log2 = _f32(_f32(qsr) * scale_log2)
         shift = _f32(qs_log2 * dot[:, :, r0:r1])  # softcap: the row's smoothing shift, pre-tanh units
         m = torch.full((B, Hq, r1 - r0), -math.inf, dtype=torch.float64)
         l_ = torch.zeros(B, Hq, r1 - r0, dtype=torch.float64)
         o = torch.zeros(B, Hq, r1 - r0, D, dtype=torch.float64)
         for t in range(kb0, n_blocks):
-            c0, c1 = t * BLOCK_K, min(Sk, (t + 1) * BLOCK_K)
+            # the tile's rows: keys >= Sk (varlen: the next sequence's) are read and masked below; past the last
+            # row TMA zero-fills, which adds nothing (dense: the tile stops at Sk, the same sums)
+            c0, c1 = t * BLOCK_K, min(rows_kv, (t + 1) * BLOCK_K)
             s_int = qi[:, :, r0:r1] @ ki[:, :, c0:c1].transpose(-1, -2)  # exact integers
             scale = _f32(qs_log2 * ks_h[:, :, t, None])  # (B, Hq, rows)
             if softcap:  # u = fp32(S * scale + shift) (FFMA), then the cap in log2 units
@@ -156,6 +188,65 @@ def emulate_prefill_sm100(
         out[:, :, r0:r1] = _f32(o * inv[..., None])
         lse[:, :, r0:r1] = torch.where(has, (m + torch.log2(torch.where(has, l_, torch.ones_like(l_)))) * math.log(2.0),
                                        torch.full_like(m, -math.inf))
-    out = out.permute(0, 2, 1, 3).to(vdt)
-    lse = lse.to(torch.float32)
+    return out, lse
+
+
+def emulate_prefill_varlen_sm100(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    granularity: str = "per_warp",
+    smooth_k: bool = True,
+    return_lse: bool = False,
+    quantized: Optional[tuple] = None,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+):
+    """The SM100 varlen kernel's output (total_q, Hq, D) in V's dtype and, with ``return_lse``, the natural-log LSE
+    (Hq, total_q) fp32: packed q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens (num_seqs + 1,).
+    ``quantized`` = (q_int8, q_scale, k_int8, k_scale[, k_mean]) in ``quantize_qk_int8_varlen``'s layout (scales
+    padded per sequence) replaces the prepass; the rest as :func:`emulate_prefill_sm100`."""
+    from qattn.interface.window import resolve_window
+    from qattn.quant.qk_int8 import quantize_qk_int8_varlen_reference
+
+    Tq, Hq, D = q.shape
+    group, q_rows, scale_log2, softcap_log2 = _launch_constants(v, Hq, k.shape[1], D, softmax_scale, granularity,
+                                                                softcap)
+    if quantized is None:
+        quantized = quantize_qk_int8_varlen_reference(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                      granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
+                                                      warp_q=WARP_Q, block_k=BLOCK_K)[:5]
+    q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
+    k_mean = quantized[4] if len(quantized) > 4 and softcap else None
+    # the launcher resolves the window once, with the longest lengths (SM90's rule)
+    window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
+    cq, ck = [int(x) for x in cu_seqlens_q.cpu()], [int(x) for x in cu_seqlens_k.cpu()]
+    # (1, H, rows, D) views of the packed tensors; kv heads expanded to q heads
+    qi = q8.permute(1, 0, 2)[None].double()
+    ki = k8.permute(1, 0, 2)[None].double().repeat_interleave(group, dim=1)
+    vv = v.cpu().permute(1, 0, 2)[None].double().repeat_interleave(group, dim=1)
+    ks_h = ks.double().repeat_interleave(group, dim=1)  # (num_seqs, Hq, n_kb)
+    out = torch.zeros(1, Hq, Tq, D, dtype=torch.float64)
+    lse = torch.full((1, Hq, Tq), -math.inf, dtype=torch.float64)
+    for i in range(len(cq) - 1):
+        qa, qb, ka, kb = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if qb == qa:
+            continue  # every CTA of the sequence exits
+        dot = torch.zeros(1, Hq, qb - qa, dtype=torch.float64)
+        if k_mean is not None:
+            km = k_mean[i : i + 1].cpu().double().repeat_interleave(group, dim=1)  # (1, Hq, D)
+            dot = _f32(qi[:, :, qa:qb] @ km[..., None])[..., 0]
+        # K / V from the sequence's first key to the end of the packed tensors: what its tiles can reach
+        o, l_ = _sequence(qi[:, :, qa:qb], ki[:, :, ka:], vv[:, :, ka:], qs[i : i + 1].double(), ks_h[i : i + 1],
+                          dot, kb - ka, window, q_rows, scale_log2, softcap, softcap_log2, v.dtype)
+        out[:, :, qa:qb], lse[:, :, qa:qb] = o, l_
+    out = out[0].permute(1, 0, 2).to(v.dtype)
+    lse = lse[0].to(torch.float32)
     return (out, lse) if return_lse else out

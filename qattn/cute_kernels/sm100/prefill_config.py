@@ -42,6 +42,10 @@ class PrefillConfigSm100:
     # FlashAttention's ``softcap``: the logits z = softmax_scale * q.k become softcap * tanh(z / softcap) before the
     # softmax (SM90's semantics). A compile-time constant (a model has one cap); 0.0: off
     softcap: float = 0.0
+    # packed sequences (FlashAttention's varlen layout, SM90's semantics): sequence i owns q rows cu_seqlens_q[i] ..
+    # cu_seqlens_q[i+1] and key rows cu_seqlens_k[i] .. cu_seqlens_k[i+1], read by each CTA on the device; the
+    # grid is (m blocks of max_seqlen_q, heads, sequences), masks and tile ranges per sequence.
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -57,6 +61,7 @@ class PrefillConfigSm100:
                 or not 0.0 <= self.softcap < float("inf")):
             raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
         object.__setattr__(self, "softcap", float(self.softcap))  # 50 and 50.0: one key
+        object.__setattr__(self, "varlen", bool(self.varlen))
 
     @property
     def q_group_rows(self) -> int:
@@ -79,4 +84,5 @@ class PrefillConfigSm100:
         return ("sm100_prefill_int8", self.head_dim, "int8", "int8", self.v_dtype, "pv_" + self.v_dtype,
                 self.causal, self.granularity, BLOCK_Q, WARP_Q, BLOCK_K, self.kv_stages) + (
                     ("local",) if self.local else ()) + (
-                    (("softcap", self.softcap),) if self.softcap else ())  # plain keys unchanged
+                    (("softcap", self.softcap),) if self.softcap else ()) + (
+                    ("varlen",) if self.varlen else ())  # dense keys unchanged

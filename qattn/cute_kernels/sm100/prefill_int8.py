@@ -33,6 +33,16 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
   j >= i + seqlen_k - seqlen_q - window_left, and with ``causal`` j <= i + seqlen_k - seqlen_q + window_right; a
   CTA's tile loop starts at the tile of its first row's first key (K/V tiles, k scales and mask columns from there).
 * **GQA**: the CTA of q head h reads kv head h // (num_heads / num_kv_heads) (K/V re-read per q head: v0).
+* **Varlen** (``varlen``, compile time; SM90's semantics): packed q (total_q, Hq, D), k / v (total_k, Hkv, D),
+  sequence b owning rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] and cu_seqlens_k[b] .. cu_seqlens_k[b+1]; grid
+  (m blocks of max_seqlen_q, heads, sequences). Each CTA reads its sequence's offsets and lengths from cu_seqlens
+  (device memory: no host sync) and exits at once if its m block starts past the sequence's rows. Everything
+  else runs in the sequence's own coordinates: the TMA tensors are views of the whole packed tensors (one batch,
+  so the descriptors bound only the last sequence) whose coordinates are offset to the sequence's first row
+  (``cute.domain_offset``), masks and tile ranges use its lengths (causal bottom-right aligned per sequence), its
+  scales and k mean are row b of the varlen prepass's padded tensors. A tile crossing the sequence's end reads
+  the next sequence's rows: those keys are masked (P = 0 exactly, times their V rows, which must be finite --
+  as on SM90, and as for the causally masked keys of any tile), those query rows are never stored.
 * **Soft-capping** (``softcap``, compile time; SM90's semantics): the host passes scale_log2 = softmax_scale /
   softcap, so u = S * scale + shift is z / softcap, and each score becomes softcap * log2 e * tanh.approx(u), masked
   keys selected to -inf after the tanh (it would make them -softcap; ``common/softcap.py``). ``shift`` puts back the row's q . k_mean that
@@ -73,6 +83,10 @@ class QKInt8PrefillSm100:
 
     ``__call__`` (host, ``@cute.jit``) takes raw device addresses (Int64), runtime sizes and a stream, builds the
     TMA descriptors and launches ``kernel`` on grid (ceil(seqlen_q / 128), num_heads, batch), 128 threads.
+    ``varlen``: ``batch`` = num_seqs, ``seqlen_q`` / ``seqlen_k`` = total_q / total_k, the grid from
+    ``max_seqlen_q``; q_int8 (total_q, Hq, D), k_int8 / v (total_k, Hkv, D), out (total_q, Hq, D), lse (Hq,
+    total_q), cu_seqlens_q / _k int32 (num_seqs + 1,), scales and k_mean (num_seqs, ...) as the varlen prepass
+    pads them. Dense kernels ignore the cu_seqlens addresses and max_seqlen_q (no kernel parameter).
 
     Tensors (contiguous, FlashAttention layout; the SM90 kernel's, so the launcher is shared in spirit):
         q_int8 (B, Sq, Hq, D) i8, k_int8 (B, Sk, Hkv, D) i8, v (B, Sk, Hkv, D) bf16/fp16
@@ -110,7 +124,8 @@ class QKInt8PrefillSm100:
         q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
         num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-        k_mean_addr: Int64, stream: cuda.CUstream,
+        k_mean_addr: Int64, cu_seqlens_q_addr: Int64, cu_seqlens_k_addr: Int64, max_seqlen_q: Int32,
+        stream: cuda.CUstream,
     ):
         cfg, D = self.cfg, self.D
         gmem = cute.AddressSpace.gmem
@@ -125,16 +140,21 @@ class QKInt8PrefillSm100:
         p_tmem = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, self.v_dtype, 1)  # P's TMEM A layout
 
         # ---- global tensors: (rows, head_dim, (heads, batch)) views of the (B, S, H, D) tensors ----------
+        # varlen: one packed "batch" of seqlen_q / seqlen_k (= total) rows; ``batch`` counts the sequences. The TMA
+        # descriptors then bound the whole packed tensors: only rows past the last sequence are zero-filled.
         q_row, k_row = num_heads * D, num_kv_heads * D
+        views = batch
+        if cutlass.const_expr(cfg.varlen):
+            views = 1
         mQ = cute.make_tensor(cute.make_ptr(Int8, q_addr, gmem, assumed_align=16),
-                              cute.make_layout((seqlen_q, D, (num_heads, batch)),
+                              cute.make_layout((seqlen_q, D, (num_heads, views)),
                                                stride=(q_row, 1, (D, seqlen_q * q_row))))
         mK = cute.make_tensor(cute.make_ptr(Int8, k_addr, gmem, assumed_align=16),
-                              cute.make_layout((seqlen_k, D, (num_kv_heads, batch)),
+                              cute.make_layout((seqlen_k, D, (num_kv_heads, views)),
                                                stride=(k_row, 1, (D, seqlen_k * k_row))))
         # V as P.V's B operand (N = head_dim, K = keys): head_dim contiguous, "MN-major"
         mV = cute.make_tensor(cute.make_ptr(self.v_dtype, v_addr, gmem, assumed_align=16),
-                              cute.make_layout((D, seqlen_k, (num_kv_heads, batch)),
+                              cute.make_layout((D, seqlen_k, (num_kv_heads, views)),
                                                stride=(1, k_row, (D, seqlen_k * k_row))))
 
         op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
@@ -150,12 +170,16 @@ class QKInt8PrefillSm100:
                          + cute.size_in_bytes(self.v_dtype, cute.slice_(v_smem, (None, None, None, 0))))
 
         num_m_blocks = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        if cutlass.const_expr(cfg.varlen):  # sized for the longest sequence; the others' extra CTAs exit at once
+            num_m_blocks = (max_seqlen_q + BLOCK_Q - 1) // BLOCK_Q
         # softcap: the smoothing shift needs the int8 Q rows and K's mean; a plain kernel gets no parameter for them
         capped = cutlass.const_expr(cfg.softcap > 0.0)
+        varlen = cutlass.const_expr(cfg.varlen)  # the cu_seqlens addresses: varlen kernels' parameters only
         self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, q_smem, k_smem, v_smem, p_tmem,
                     o_addr, lse_addr, q_scale_addr, k_scale_addr, batch, seqlen_q, seqlen_k, num_heads, num_kv_heads,
                     num_q_groups, num_k_blocks, scale_log2, window_left, window_right,
-                    q_addr if capped else None, k_mean_addr if capped else None).launch(
+                    q_addr if capped else None, k_mean_addr if capped else None,
+                    cu_seqlens_q_addr if varlen else None, cu_seqlens_k_addr if varlen else None).launch(
                         grid=(num_m_blocks, num_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
                         stream=stream)
 
@@ -172,8 +196,13 @@ class QKInt8PrefillSm100:
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
         num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
         q_addr, k_mean_addr,  # Int64 with ``softcap``, else None (no kernel parameter)
+        cu_q_addr, cu_k_addr,  # Int64 with ``varlen``, else None (no kernel parameter)
     ):
-        cfg, D, ST = self.cfg, self.D, self.cfg.kv_stages
+        """CTA (m block, q head h, batch / sequence b). Varlen: ``seqlen_q`` / ``seqlen_k`` are the packed totals
+        and ``batch`` the number of sequences; the CTA reads its sequence's first rows and lengths from cu_seqlens
+        here, on the device. CTAs whose m block starts past their sequence's rows exit before touching shared or
+        tensor memory (the grid is sized for the longest sequence)."""
+        cfg = self.cfg
         gmem = cute.AddressSpace.gmem
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -181,6 +210,38 @@ class QKInt8PrefillSm100:
         m_block = bid_m
         if cutlass.const_expr(cfg.causal):  # longest causal rows first: the last query tiles see the most keys
             m_block = cute.arch.grid_dim()[0] - 1 - bid_m
+        sizes = (batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks)
+        args = (qk_mma, pv_mma, tma_q, mQ, tma_k, mK, tma_v, mV, q_smem, k_smem, v_smem, p_tmem, o_addr, lse_addr,
+                q_scale_addr, k_scale_addr, scale_log2, window_left, window_right, q_addr, k_mean_addr, tidx, warp,
+                m_block, h, b)
+        if cutlass.const_expr(cfg.varlen):
+            cu_q = cute.make_tensor(cute.make_ptr(Int32, cu_q_addr, gmem, assumed_align=4), cute.make_layout(batch + 1))
+            cu_k = cute.make_tensor(cute.make_ptr(Int32, cu_k_addr, gmem, assumed_align=4), cute.make_layout(batch + 1))
+            q_start, k_start = cu_q[b], cu_k[b]
+            len_q, len_k = cu_q[b + 1] - q_start, cu_k[b + 1] - k_start
+            if m_block * BLOCK_Q < len_q:
+                self._tile(*args, sizes, (q_start, k_start, len_q, len_k))
+        else:
+            self._tile(*args, sizes, None)
+
+    @cute.jit
+    def _tile(
+        self, qk_mma, pv_mma, tma_q, mQ, tma_k, mK, tma_v, mV, q_smem, k_smem, v_smem, p_tmem, o_addr, lse_addr,
+        q_scale_addr, k_scale_addr, scale_log2, window_left, window_right, q_addr, k_mean_addr, tidx, warp, m_block,
+        h, b, sizes, seq,
+    ):
+        """One 128-row query tile of (q head h, sequence b). ``seq``: varlen (q_start, k_start, len_q, len_k), the
+        sequence's first rows in the packed tensors and its lengths; None: dense (batch b, all rows)."""
+        cfg, D, ST = self.cfg, self.D, self.cfg.kv_stages
+        gmem = cute.AddressSpace.gmem
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_q_groups, num_k_blocks = sizes
+        b_t = b  # the (heads, batch) view's batch index
+        total_q = seqlen_q  # rows of Q, out and LSE (varlen: the packed total)
+        if cutlass.const_expr(cfg.varlen):
+            # masks and tile ranges run in the sequence's own coordinates (seqlen_q / seqlen_k are its lengths from
+            # here on); its rows start at q_start / k_start of the one packed "batch"
+            q_start, k_start, seqlen_q, seqlen_k = seq
+            b_t = 0
         group = num_heads // num_kv_heads
         h_kv = h // group
 
@@ -220,6 +281,14 @@ class QKInt8PrefillSm100:
         tCrV = pv_mma.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, stages)
 
         # ---- TMA partitions: (TMA, tiles along rows, tiles along K, (head, batch)) -----------------------------
+        if cutlass.const_expr(cfg.varlen):
+            # the sequence's row 0 becomes coordinate 0 of the TMA tensors, so tile t is rows start + 128 t of the
+            # packed tensor. A tile crossing the sequence's end reads the next sequence's rows (zeros past the
+            # last one): their keys are masked (-inf: P = 0, times V rows that must be finite, as on SM90) and
+            # their query rows are never stored.
+            mQ = cute.domain_offset((q_start, 0, 0), mQ)
+            mK = cute.domain_offset((k_start, 0, 0), mK)
+            mV = cute.domain_offset((0, k_start, 0), mV)
         gQ = cute.local_tile(mQ, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
                                          cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
@@ -236,10 +305,10 @@ class QKInt8PrefillSm100:
             if n_blocks > 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(q_full, self.q_bytes)
-                cute.copy(tma_q, tQg[(None, m_block, 0, (h, b))], tQs[(None, 0)], tma_bar_ptr=q_full)
+                cute.copy(tma_q, tQg[(None, m_block, 0, (h, b_t))], tQs[(None, 0)], tma_bar_ptr=q_full)
             for s in cutlass.range_constexpr(ST):
                 if s < n_blocks:
-                    self._issue_kv(kb0 + s, s, tmas, full, h_kv, b)
+                    self._issue_kv(kb0 + s, s, tmas, full, h_kv, b_t)
 
         # ---- per-thread row state: thread t = TMEM lane t = query row t of the tile ---------------------------
         row = m_block * BLOCK_Q + tidx
@@ -257,8 +326,11 @@ class QKInt8PrefillSm100:
         ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
         shift = None  # softcap: the row's smoothing shift, in pre-tanh units
         if cutlass.const_expr(cfg.softcap > 0.0):
+            q_row0 = None  # varlen: the sequence's first row in the packed Q
+            if cutlass.const_expr(cfg.varlen):
+                q_row0 = q_start
             shift = self._row_shift(q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv,
-                                    n_blocks)
+                                    n_blocks, q_row0)
         key_end = seqlen_k  # keys < key_end are visible to this row (local: and keys >= key_start)
         if cutlass.const_expr(cfg.causal):
             key_end = cutlass.min(seqlen_k, row + diag + 1)
@@ -323,30 +395,39 @@ class QKInt8PrefillSm100:
             # K and V of this stage are consumed: prefetch tile it + kv_stages into it
             if warp == 0:
                 if it + ST < n_blocks:
-                    self._issue_kv(kb0 + it + ST, stage, tmas, full, h_kv, b)
+                    self._issue_kv(kb0 + it + ST, stage, tmas, full, h_kv, b_t)
 
         # ---- epilogue: thread = row; O / l, LSE in natural log ------------------------------------------------
         inv, lse = row_epilogue(m_run, l_run, Float32(1.0))
         rO = trow.load_o(n_blocks)
         if row < seqlen_q:
-            store_row(o_addr, lse_addr, self.v_dtype, rO, trow.tOc, inv, lse, batch, seqlen_q, num_heads, D, b, row, h)
+            if cutlass.const_expr(cfg.varlen):  # packed out (total_q, Hq, D), LSE (Hq, total_q)
+                store_row(o_addr, lse_addr, self.v_dtype, rO, trow.tOc, inv, lse, 1, total_q, num_heads, D, 0,
+                          q_start + row, h)
+            else:
+                store_row(o_addr, lse_addr, self.v_dtype, rO, trow.tOc, inv, lse, batch, seqlen_q, num_heads, D, b,
+                          row, h)
 
         free_tmem(tmem, tmem_ptr)
 
     # ======================================================================================================
     @cute.jit
-    def _row_shift(self, q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv, n_blocks):
+    def _row_shift(self, q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv, n_blocks,
+                   q_row0):
         """``softcap``: the shift qs_log2 * sum_c q_int8[row, c] * k_mean[c] that K's smoothing took out of this
         thread's scores, in the pre-tanh units of ``Float32(S) * scale`` (qs_log2 = q_scale * softmax_scale /
         softcap). Once per CTA, straight from global memory: the thread's own int8 Q row (D contiguous bytes,
         16-byte aligned: the launcher's tensors are) as 32-bit words, and the (batch, kv head) row of the fp32
         mean, which all threads share (one broadcast load per channel). 0 for rows past seqlen_q (never read),
-        for a CTA without tiles and for ``k_mean_addr`` 0 (an unsmoothed K: no shift)."""
+        for a CTA without tiles and for ``k_mean_addr`` 0 (an unsmoothed K: no shift). Varlen: ``q_row0`` is the
+        sequence's first row in the packed Q (``row`` and ``seqlen_q`` are the sequence's), ``b`` the sequence."""
         D = self.D
         gmem = cute.AddressSpace.gmem
         dot = Float32(0.0)
         if (k_mean_addr != Int64(0)) & (row < seqlen_q) & (n_blocks > 0):
             q_off = Int64(((b * seqlen_q + row) * num_heads + h) * D)  # bytes
+            if cutlass.const_expr(self.cfg.varlen):
+                q_off = Int64(((q_row0 + row) * num_heads + h) * D)
             gq = cute.make_tensor(cute.make_ptr(Int32, q_addr + q_off, gmem, assumed_align=16),
                                   cute.make_layout(D // 4))
             rq = cute.make_rmem_tensor(cute.make_layout(D // 4), Int32)
@@ -372,7 +453,7 @@ class QKInt8PrefillSm100:
 def prefill_sm100_compile_args() -> list:
     """Placeholder arguments of :meth:`QKInt8PrefillSm100.__call__` to compile without a GPU (zero addresses)."""
     return ([Int64(0)] * 7 + [Int32(1)] * 7 + [Float32(1.0), Int32(0), Int32(0), Int64(0)]
-            + [cute.runtime.make_fake_stream()])
+            + [Int64(0), Int64(0), Int32(1), cute.runtime.make_fake_stream()])
 
 
 def prefill_sm100_cache_key(arch: str, cfg: PrefillConfigSm100) -> tuple:
