@@ -19,7 +19,7 @@ from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .variants import cache_for, kernel_arch
-from .window import resolve_window, softcap_value as _softcap, window_ints
+from .window import resolve_window, score_scale, softcap_value as _softcap, window_ints
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -265,7 +265,7 @@ def _flash_attn_with_kvcache_eager(
                    addr(block_table), addr(cache_seqlens), addr(o_dst), addr(l_dst),
                    addr(lay.k_ring), addr(lay.v_ring), addr(seq_slots), addr(lay.k_sink), addr(lay.v_sink),
                    B, Sq, H, block_table.shape[1], cache.num_blocks, num_splits, max(cache.max_seqs, 1),
-                   softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e), *window.edges, stream)
+                   score_scale(softmax_scale, softcap), *window.edges, stream)
         if split:
             fast(comb)(addr(o_part), addr(l_part), addr(out), addr(lse), B, Sq, Hq, num_splits, stream)
     return (out, lse) if return_lse else out

@@ -14,6 +14,7 @@ import math
 import torch
 
 from .variants import cache_for
+from .window import score_scale
 
 __all__ = ["flash_attn_with_kvcache_sm100", "sm100_config_for"]
 
@@ -86,7 +87,7 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
              addr(lay.k_global_scale), addr(lay.v_data), addr(lay.v_scale_pool), addr(lay.v_global_scale),
              addr(block_table.contiguous()), addr(cache_seqlens), addr(o_dst), addr(l_dst),
              Int32(B), Int32(Sq), Int32(H), Int32(block_table.shape[1]), Int32(cache.num_blocks), Int32(num_splits),
-             Float32(softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)),
+             Float32(score_scale(softmax_scale, softcap)),
              *(Int32(e) for e in window.edges), stream)
         if split:
             comb = CombineSplits(D, qd)

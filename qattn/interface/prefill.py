@@ -24,7 +24,8 @@ from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LON
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
-from .window import FULL, Window, resolve_window, softcap_value as _softcap, window_ints as _window_ints
+from .window import (FULL, Window, resolve_window, score_scale, softcap_value as _softcap,
+                     window_ints as _window_ints)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "prefill_int8", "prefill_int8_varlen",
@@ -209,7 +210,7 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
         _prefill_kernel(arch, cfg)(
             addr(q_int8), addr(k_int8), addr(v), addr(out), addr(lse), addr(q_scale), addr(k_scale), addr(cu_q),
             addr(cu_k), batch, num_seqs, seqlen_q, seqlen_k, max_seqlen_q, Hq, Hkv, n_qg, n_kb,
-            softmax_scale / cfg.softcap if cfg.softcap else softmax_scale * math.log2(math.e), addr(v_scale),
+            score_scale(softmax_scale, cfg.softcap), addr(v_scale),
             addr(qk_balance),
             _lpt_group(cfg, num_seqs * Hq, Hq // Hkv, seqlen_k // max(num_seqs, 1) if cu_k is not None else seqlen_k),
             num_full, splits, addr(part), addr(count), int(pdl and count is None), *window.edges,

@@ -12,12 +12,12 @@ variants of the kernel, as on SM90.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from .variants import Variant, cache_for
+from .window import score_scale
 
 __all__ = ["ARCH", "sm100_prefill_config_for", "check_sm100_prefill_options", "prefill_int8_sm100",
            "prefill_int8_varlen_sm100", "sm100_prefill_variants"]
@@ -92,7 +92,7 @@ def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torc
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
     cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap)
     # capped, the kernel's scale gives z / softcap (its tanh argument) instead of z * log2 e (as on SM90)
-    scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    scale_log2 = score_scale(softmax_scale, softcap)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2, *window.edges,
             0 if k_mean is None or not softcap else k_mean.data_ptr(), 0, 0, Sq)  # no cu_seqlens: dense
@@ -115,7 +115,7 @@ def prefill_int8_varlen_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int
     if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing")
     cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap, varlen=True)
-    scale_log2 = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    scale_log2 = score_scale(softmax_scale, softcap)
     # batch = num_seqs (the grid's z and the scales' first dim), seqlen_q / seqlen_k = the packed totals
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), num_seqs, Tq, Tk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2,

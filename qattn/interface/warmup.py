@@ -38,7 +38,7 @@ def _filters(args) -> dict:
             "page_sizes": _ints(args.page_sizes), "seqlen_q": _ints(args.seqlen_q),
             "recent_windows": _ints(args.recent_windows), "sink_tokens": _ints(args.sink_tokens),
             "q_dtypes": _csv(args.q_dtypes), "balance_qk": args.balance_qk, "sliding_window": args.sliding_window,
-            "softcaps": [float(x) for x in _csv(args.softcap)] if args.softcap else None}
+            "softcaps": sorted({float(x) for x in _csv(args.softcap)}) if args.softcap else None}
 
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):

@@ -8,10 +8,11 @@ Query i of a sequence sees keys j with i + seqlen_k - seqlen_q - left <= j <= i 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
-           "kernel_edges", "softcap_value"]
+           "kernel_edges", "softcap_value", "score_scale"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30
@@ -95,3 +96,10 @@ def softcap_value(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
         raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
     return float(softcap)
+
+
+def score_scale(softmax_scale: float, softcap: float) -> float:
+    """The score scale every attention kernel takes (prefill and decode, SM90 and SM100): softmax_scale * log2 e
+    (scores in the log2 domain of ``ex2``), or softmax_scale / softcap with a cap (the kernel's tanh argument z /
+    softcap; ``common/softcap.py`` multiplies the tanh by softcap * log2 e)."""
+    return softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)

@@ -394,12 +394,15 @@ class PagedKVCache:
         rotate: bool = False,
         rotation_seed: int = 0,
         rotation_signs: torch.Tensor | None = None,
+        k_smoothed: bool = False,
     ) -> "PagedKVCache":
         """A cache viewing tensors the caller allocated (no copy). ``layers`` holds one :class:`KVLayer` per
         layer; shapes, dtypes, contiguity and devices are checked against the geometry. ``rotate`` /
         ``rotation_seed`` as in the constructor; ``rotation_signs`` optionally passes the device sign vector of
         an existing cache (``cache.rotation_signs``) instead of building it (trusted to match the seed).
-        The window, sink size and max_seqs are read from the ring / sink tensors' shapes."""
+        The window, sink size and max_seqs are read from the ring / sink tensors' shapes. ``k_smoothed``: the
+        tensors' K was written smoothed (``write_kv(k_mean=...)``), the one fact the tensors do not carry; a view
+        that says so refuses ``flash_attn_with_kvcache(softcap=...)`` as the cache that wrote them does."""
         if not layers:
             raise ValueError("layers: need at least one KVLayer")
         for i, lay in enumerate(layers):
@@ -421,6 +424,7 @@ class PagedKVCache:
                     sink_tokens=sink_tokens, _layers=layers, _rotation_signs=rotation_signs)
         for i, lay in enumerate(layers):
             cache._check_layer(lay, f"layers[{i}]")
+        cache.k_smoothed = bool(k_smoothed)
         return cache
 
     def _check_layer(self, lay: KVLayer, name: str) -> None:

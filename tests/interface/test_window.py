@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qattn.interface.window import NO_LEFT_EDGE, kernel_edges, window_bounds, window_flags, window_ints
+from qattn.interface.window import (NO_LEFT_EDGE, kernel_edges, score_scale, softcap_value, window_bounds,
+                                    window_flags, window_ints)
 
 
 def fa_mask(sq: int, sk: int, left: int, right: int, causal: bool) -> torch.Tensor:
@@ -78,3 +79,16 @@ def test_edges_and_flags():
         with pytest.raises(ValueError, match="window_size"):
             window_ints(bad)
     assert window_ints([None, 4]) == (-1, 4)
+
+
+def test_score_scale_and_softcap_value():
+    """The kernels' score scale: softmax_scale * log2 e (log2 domain of ex2), or softmax_scale / softcap with a cap
+    (the tanh argument); softcap values as FlashAttention takes them."""
+    import math
+
+    assert score_scale(0.125, 0.0) == 0.125 * math.log2(math.e)
+    assert score_scale(0.125, 50.0) == 0.125 / 50.0
+    assert softcap_value(None) == 0.0 and softcap_value(50) == 50.0 and isinstance(softcap_value(50), float)
+    for bad in (-1.0, float("inf"), float("nan"), True, "50"):
+        with pytest.raises(ValueError, match="softcap"):
+            softcap_value(bad)

@@ -66,6 +66,9 @@ def test_from_tensors_views_without_copy(fmt):
     c = PagedKVCache.from_tensors(layers, page_size=32, head_dim=64, kv_format=fmt)
     assert c.num_layers == 2 and c.num_blocks == 5 and c.num_kv_heads == 2
     assert c.layer(1).k_data.data_ptr() == layers[1].k_data.data_ptr()
+    # the one host-side fact a view cannot read from the tensors (write_kv(k_mean=...) sets it on its cache)
+    assert not c.k_smoothed
+    assert PagedKVCache.from_tensors(layers, page_size=32, head_dim=64, kv_format=fmt, k_smoothed=True).k_smoothed
 
 
 def test_from_tensors_rejects_bad_pools():

@@ -79,8 +79,9 @@ def test_sm100_decode_window_config_and_split_context():
     assert local.window and not plain.window and local.key != plain.key and local.key[:-1] == plain.key
 
 def test_sm100_decode_softcap_reaches_the_kernel(monkeypatch):
-    """softcap on SM100 (compile-checked and emulated only): the launcher gets the validated cap, the config its
-    key, and the kernel the scale softmax_scale / softcap; a smoothed cache still refuses it."""
+    """softcap on SM100 (compile-checked and emulated only): the tcgen05 launcher gets the validated cap and the
+    config its key (its kernel's scale argument is ``window.score_scale``, tested in test_window.py); a smoothed
+    cache still refuses it."""
     import qattn.interface.decode_sm100 as d100
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
@@ -145,3 +146,27 @@ def test_sm100_decode_fp4_pages_take_the_tcgen05_kernel(monkeypatch):
     for fmt, D, group, sq in (("nvfp4", 128, 8, 16), ("mxfp4", 128, 4, 1), ("mxfp4_b16", 64, 16, 8)):
         q = torch.randn(2, sq, 2 * group, D, dtype=torch.bfloat16)
         assert dec.flash_attn_with_kvcache(q, PagedKVCache(1, 8, 16, 2, D, fmt), lens, table) == "tcgen05"
+
+
+def test_mma_sync_decode_launch_gets_the_capped_scale(monkeypatch):
+    """The mma.sync decode launch (SM90, and SM100 for the caches the tcgen05 kernel does not take) passes
+    softmax_scale / softcap as the score scale with a cap, softmax_scale * log2 e without (launch arguments
+    captured; nothing runs)."""
+    import contextlib
+    import math
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launches = []
+    monkeypatch.setattr(dec, "_kernels", lambda *a: (lambda *args: launches.append(args), None))
+    monkeypatch.setattr(dec, "fast", lambda kern: kern)
+    monkeypatch.setattr(dec, "on_device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(dec, "stream_handle", lambda d: 0)
+    cache = PagedKVCache(1, 8, 16, 2, 128, "fp8")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([20, 41], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    dec.flash_attn_with_kvcache(q, cache, lens, table, num_splits=1, softmax_scale=0.125, softcap=30.0)
+    dec.flash_attn_with_kvcache(q, cache, lens, table, num_splits=1, softmax_scale=0.125)
+    (capped, plain) = [args[-4] for args in launches]  # ..., score scale, window_left, window_right, stream
+    assert capped == 0.125 / 30.0 and plain == 0.125 * math.log2(math.e)

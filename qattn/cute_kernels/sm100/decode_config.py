@@ -20,6 +20,7 @@ see docs/sm100.md.)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from qattn.layouts.formats import KVFormat
@@ -124,6 +125,7 @@ class DecodeConfigSm100:
                     ("window",) if self.window else ()) + ((("softcap", self.softcap),) if self.softcap else ())
 
 
+@functools.lru_cache(maxsize=512)  # eager decode asks on every call: host-known facts only
 def tcgen05_takes(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: int, q_dtype: str, group: int,
                   seqlen_q: int, ring_window: int = 0, sink_tokens: int = 0) -> bool:
     """Whether the tcgen05 decode kernel of this file takes a call: FP4 K and V (its block-scaled MMA), no
