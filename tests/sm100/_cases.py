@@ -51,3 +51,22 @@ def make_case(fmt: str, *, B=2, H=2, G=4, Sq=1, D=128, page=16, lens=(300, 77), 
         slots = bt[b, t // page].long() * page + t % page
         write_kv_reference(cache, 0, k[b, :n], v[b, :n], slots)
     return q.to(torch.bfloat16), k, v, cache, lens, bt
+
+
+def ptxas_spill_bytes(ptx: str, arch: str = "sm_100a") -> tuple[int, int]:
+    """(registers, spill-store bytes) that ``ptxas -v`` reports for ``ptx`` (the CUDA toolkit's ptxas on PATH;
+    callers skip when it is absent). Spills are ptxas's, invisible in the PTX."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        out = subprocess.run([shutil.which("ptxas"), f"-arch={arch}", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    regs = max(int(x) for x in re.findall(r"Used (\d+) registers", out))
+    spills = max(int(x) for x in re.findall(r"(\d+) bytes spill stores", out))
+    return regs, spills

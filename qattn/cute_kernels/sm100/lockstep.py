@@ -240,14 +240,16 @@ class TmemRow:
         cute.copy(self.st_p, rPw, self.tPt)
 
     def rescale_o(self, corr):
-        """O *= corr in TMEM (load, wait, multiply, store); the previous P.V must have finished."""
-        rO = cute.make_rmem_tensor(self.tOc.shape, Float32)
-        cute.copy(self.ld_o, self.tOt, rO)
-        cute.arch.fence_view_async_tmem_load()
-        rO2 = cute.make_rmem_tensor(self.tOc_st.shape, Float32)
-        for i in range(cute.size(rO)):
-            rO2[i] = rO[i] * corr
-        cute.copy(self.st_o, rO2, self.tOt_st)
+        """O *= corr in TMEM, one 32-column chunk at a time (load, wait, multiply, store); the previous P.V must
+        have finished. Chunks keep 32 O values live instead of head_dim: a whole D128 row at once made ptxas
+        spill ~340 bytes (255 registers) in the loop."""
+        for k in range(cute.size(self.tOt, mode=[1])):
+            rO = cute.make_rmem_tensor(self.tOc[(None, k, None, None)].shape, Float32)
+            cute.copy(self.ld_o, self.tOt[(None, k, None, None)], rO)
+            cute.arch.fence_view_async_tmem_load()
+            for i in range(cute.size(rO)):
+                rO[i] = rO[i] * corr
+            cute.copy(self.st_o, rO, self.tOt_st[(None, k, None, None)])
 
     @cute.jit
     def load_o(self, n_tiles):
