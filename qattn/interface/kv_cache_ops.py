@@ -281,9 +281,14 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
              seq_slots: torch.Tensor | None = None, check: bool = False) -> None:
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         write_kv_traced(cache, layer, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
-        if k_mean is not None:
-            cache.k_smoothed = True  # (host-side: a soft-capped decode then refuses the cache)
-        return None
+    else:
+        _write_kv_planned(cache, layer, k, v, slot_mapping, positions, rope, k_mean, seq_slots, check)
+    if k_mean is not None:
+        cache.k_smoothed = True  # (host-side: a soft-capped decode then refuses the cache)
+
+
+def _write_kv_planned(cache, layer, k, v, slot_mapping, positions, rope, k_mean, seq_slots, check) -> None:
+    """The eager write, through the launch plan of its signature when there is one."""
     key = inputs = tensors = None
     if not check and isinstance(cache, PagedKVCache) and type(layer) is int and 0 <= layer < cache.num_layers and (
             rope is None or isinstance(rope, RoPE)):
@@ -297,8 +302,6 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
                        lambda: _write_kv_eager(cache, layer, k, v, slot_mapping, seq_slots=seq_slots,
                                                positions=positions, rope=rope, k_mean=k_mean, check=check) or (),
                        keyed=None if tensors is None else len(tensors))
-    if k_mean is not None:
-        cache.k_smoothed = True  # (host-side: a soft-capped decode then refuses the cache)
 
 
 _INSERT_PLANS = Planner()

@@ -314,17 +314,9 @@ def prefill_int8(
     window = resolve_window(window_size, causal, Sq, Sk)
     softcap = _softcap(softcap)
     if _check_arch(dev) == "sm_100a":
-        from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
-
-        check_sm100_prefill_options(pv_dtype=pv_dtype, tuning=_tuning)
-        if quantize_q:
-            raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
-        k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)  # as on SM90: softcap needs K's mean
-        # the SM100 kernel addresses contiguous tensors (no strides): views are copied
-        q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
-        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
-        prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse, window=window,
-                           softmax_scale=softmax_scale, granularity=granularity, softcap=softcap, k_mean=k_mean)
+        out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (B, Hq, Sq), (B, Hkv, D), window=window,
+                                  softmax_scale=softmax_scale, granularity=granularity, softcap=softcap,
+                                  k_mean=k_mean, pv_dtype=pv_dtype, tuning=_tuning, quantize_q=quantize_q)
         return (out, lse) if return_lse else out
     k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)
     tuning = _tuning or {}  # _tuning: A/B overrides
@@ -342,6 +334,29 @@ def prefill_int8(
             B, B, Sq, Sk, Sq, Hq, Hkv, n_qg, n_kb, softmax_scale, v_scale.contiguous() if fp8 else None,
             None if qk_balance is None else qk_balance.contiguous(), window, k_mean, _pdl)
     return (out, lse) if return_lse else out
+
+
+def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k_mean_shape: tuple, *, window,
+                   softmax_scale: float, granularity: str, softcap: float, k_mean, pv_dtype: str, tuning,
+                   quantize_q: bool, cu_seqlens: Optional[tuple] = None):
+    """The SM100 branch of :func:`prefill_int8` and (``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
+    :func:`prefill_int8_varlen`: the SM100 kernel's limits, then the kernel on contiguous copies (it addresses
+    contiguous tensors, no strides). Returns (out, lse)."""
+    from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_sm100
+
+    check_sm100_prefill_options(varlen=cu_seqlens is not None, pv_dtype=pv_dtype, tuning=tuning)
+    if quantize_q:
+        raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
+    k_mean = _softcap_k_mean(softcap, k_mean, k_mean_shape, out.device)  # as on SM90: softcap needs K's mean
+    q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
+    if cu_seqlens is not None:
+        cu_q, cu_k, max_seqlen_q = cu_seqlens
+        cu_seqlens = (cu_q.contiguous(), cu_k.contiguous(), max_seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
+    prefill_int8_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v, out, lse, window=window,
+                       softmax_scale=softmax_scale, granularity=granularity, softcap=softcap, k_mean=k_mean,
+                       cu_seqlens=cu_seqlens)
+    return out, lse
 
 
 def prefill_int8_varlen(
@@ -436,19 +451,10 @@ def prefill_int8_varlen(
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     softcap = _softcap(softcap)
     if _check_arch(dev) == "sm_100a":
-        from .prefill_sm100 import check_sm100_prefill_options, prefill_int8_varlen_sm100
-
-        check_sm100_prefill_options(varlen=True, pv_dtype=pv_dtype, tuning=_tuning)
-        if quantize_q:
-            raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
-        k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
-        # the SM100 kernel addresses contiguous tensors (no strides): views are copied
-        q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
-        lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
-        prefill_int8_varlen_sm100(q_int8, q_scale.contiguous(), k_int8, k_scale.contiguous(), v,
-                                  cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, out, lse,
+        out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (Hq, Tq), (num_seqs, Hkv, D),
                                   window=window, softmax_scale=softmax_scale, granularity=granularity,
-                                  softcap=softcap, k_mean=k_mean)
+                                  softcap=softcap, k_mean=k_mean, pv_dtype=pv_dtype, tuning=_tuning,
+                                  quantize_q=quantize_q, cu_seqlens=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
         return (out, lse) if return_lse else out
     k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,

@@ -6,7 +6,7 @@ The caller's tensors were validated by ``prefill.py`` already (shapes, dtypes, t
 which are the same on SM90 and SM100); this adds the SM100 kernel's own limits and launches it from the shared
 ``"prefill"`` compile cache with arch ``"sm_100a"``. What the SM100 kernel does not do raises here, never
 falls back to another path: FP8 P.V, the unquantized 16-bit Q K^T path, tuning overrides. Soft-capping
-(``softcap``), sliding windows and varlen (packed sequences, ``prefill_int8_varlen_sm100``) are compile-time
+(``softcap``), sliding windows and varlen (packed sequences, ``prefill_int8_sm100(cu_seqlens=...)``) are compile-time
 variants of the kernel, as on SM90.
 """
 
@@ -20,7 +20,7 @@ from .variants import Variant, cache_for
 from .window import score_scale
 
 __all__ = ["ARCH", "sm100_prefill_config_for", "check_sm100_prefill_options", "prefill_int8_sm100",
-           "prefill_int8_varlen_sm100", "sm100_prefill_variants"]
+           "sm100_prefill_variants"]
 
 ARCH = "sm_100a"
 _V_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -79,48 +79,36 @@ def _launch(cfg, args: tuple, device: torch.device) -> None:
 
 def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor, k_scale: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, window, softmax_scale: float,
-                       granularity: str, softcap: float = 0.0, k_mean: Optional[torch.Tensor] = None) -> None:
+                       granularity: str, softcap: float = 0.0, k_mean: Optional[torch.Tensor] = None,
+                       cu_seqlens: Optional[tuple] = None) -> None:
     """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
     q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
     writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: the call's ``qattn.interface.window.Window``
     (causal mask and sliding window). ``softcap > 0``: the soft-capped variant; ``k_mean`` (B, Hkv, D) fp32,
-    contiguous, is K's smoothing mean that it adds back per row (None: an unsmoothed K, no shift)."""
+    contiguous, is K's smoothing mean that it adds back per row (None: an unsmoothed K, no shift).
 
-    B, Sq, Hq, D = q_int8.shape
-    Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
+    ``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q): packed sequences (``prefill.prefill_int8_varlen``'s
+    tensors): q_int8 (total_q, Hq, D), k_int8 / v (total_k, Hkv, D), int32 cu_seqlens (num_seqs + 1,) on the
+    device (read by the kernel only: no host sync), scales and k_mean with num_seqs rows, padded per sequence; out
+    (total_q, Hq, D), lse (Hq, total_q); ``window`` resolved with the longest lengths, as SM90's."""
+    if cu_seqlens is None:
+        batch, Sq, Hq, D = q_int8.shape
+        Sk, Hkv = k_int8.shape[1], k_int8.shape[2]
+        cu = (0, 0, Sq)  # no cu_seqlens: dense
+    else:  # the kernel's batch is the number of sequences, its lengths the packed totals
+        (Sq, Hq, D), (Sk, Hkv) = q_int8.shape, k_int8.shape[:2]
+        cu_q, cu_k, max_seqlen_q = cu_seqlens
+        batch = cu_q.shape[0] - 1
+        cu = (cu_q.data_ptr(), cu_k.data_ptr(), int(max_seqlen_q))
     if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
-    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap)
+    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap,
+                                   varlen=cu_seqlens is not None)
     # capped, the kernel's scale gives z / softcap (its tanh argument) instead of z * log2 e (as on SM90)
-    scale_log2 = score_scale(softmax_scale, softcap)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
-            k_scale.data_ptr(), B, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2, *window.edges,
-            0 if k_mean is None or not softcap else k_mean.data_ptr(), 0, 0, Sq)  # no cu_seqlens: dense
-    _launch(cfg, args, q_int8.device)
-
-
-def prefill_int8_varlen_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torch.Tensor,
-                              k_scale: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, out: torch.Tensor, lse: torch.Tensor, *,
-                              window, softmax_scale: float, granularity: str, softcap: float = 0.0,
-                              k_mean: Optional[torch.Tensor] = None) -> None:
-    """:func:`prefill_int8_sm100` for packed sequences (``prefill.prefill_int8_varlen``'s validated, contiguous,
-    16-byte aligned tensors): q_int8 (total_q, Hq, D), k_int8 / v (total_k, Hkv, D), cu_seqlens_q / _k int32
-    (num_seqs + 1,) on the device (read by the kernel only: no host sync), q_scale (num_seqs, Hq, groups of
-    max_seqlen_q), k_scale (num_seqs, Hkv, k blocks of max_seqlen_k), k_mean (num_seqs, Hkv, D) or None; writes
-    out (total_q, Hq, D) and lse (Hq, total_q). ``window``: resolved with max_seqlen_q / max_seqlen_k, as SM90's."""
-    Tq, Hq, D = q_int8.shape
-    Tk, Hkv = k_int8.shape[0], k_int8.shape[1]
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if max(out.numel(), v.numel(), q_int8.numel(), k_int8.numel()) >= 2**31:
-        raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing")
-    cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap, varlen=True)
-    scale_log2 = score_scale(softmax_scale, softcap)
-    # batch = num_seqs (the grid's z and the scales' first dim), seqlen_q / seqlen_k = the packed totals
-    args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
-            k_scale.data_ptr(), num_seqs, Tq, Tk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2], scale_log2,
-            *window.edges, 0 if k_mean is None or not softcap else k_mean.data_ptr(), cu_seqlens_q.data_ptr(),
-            cu_seqlens_k.data_ptr(), int(max_seqlen_q))
+            k_scale.data_ptr(), batch, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
+            score_scale(softmax_scale, softcap), *window.edges,
+            0 if k_mean is None or not softcap else k_mean.data_ptr(), *cu)
     _launch(cfg, args, q_int8.device)
 
 

@@ -11,6 +11,8 @@ import functools
 import math
 from typing import NamedTuple
 
+from ..cute_kernels.config_values import softcap_value  # noqa: F401 (re-exported: the entry points' check)
+
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
            "kernel_edges", "softcap_value", "score_scale"]
 
@@ -86,16 +88,6 @@ def resolve_window(window_size, causal: bool, max_seqlen_q: int, max_seqlen_k: i
 def _resolved(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> Window:
     left, right = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
     return Window(left, right, *window_flags(left, right))
-
-
-def softcap_value(softcap) -> float:
-    """FlashAttention's ``softcap`` keyword (prefill and decode) as a float: 0.0 (or None) is off, else a finite
-    positive cap; anything else a ValueError."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
-        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
-    return float(softcap)
 
 
 def score_scale(softmax_scale: float, softcap: float) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from qattn.cute_kernels.config_values import softcap_value
 from qattn.layouts.formats import KVFormat
 
 TILE_N = 128  # tokens per KV tile = the QK MMA's N and the PV MMA's K
@@ -90,10 +91,7 @@ class DecodeConfigSm100:
                              "tcgen05 scale-factor atom holds 4 along K (mxfp4 block 32 needs head_dim 128)")
         for f in (self.k_fmt, self.v_fmt):
             f.check_head_dim(self.head_dim)
-        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                or not 0.0 <= self.softcap < float("inf")):
-            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
-        object.__setattr__(self, "softcap", float(self.softcap))
+        object.__setattr__(self, "softcap", softcap_value(self.softcap))
 
     @property
     def kind(self) -> str:

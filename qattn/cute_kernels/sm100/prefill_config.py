@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qattn.cute_kernels.config_values import softcap_value
+
 __all__ = ["PrefillConfigSm100", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "V_DTYPES", "GRANULARITIES"]
 
 BLOCK_Q = 128  # query rows per CTA = MMA M = TMEM lanes = threads
@@ -57,10 +59,7 @@ class PrefillConfigSm100:
             raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {self.granularity!r}")
         if self.kv_stages not in (1, 2, 3):
             raise ValueError(f"kv_stages: expected 1..3, got {self.kv_stages}")
-        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                or not 0.0 <= self.softcap < float("inf")):
-            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
-        object.__setattr__(self, "softcap", float(self.softcap))  # 50 and 50.0: one key
+        object.__setattr__(self, "softcap", softcap_value(self.softcap))  # 50 and 50.0: one key
         object.__setattr__(self, "varlen", bool(self.varlen))
 
     @property

@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from qattn.cute_kernels.config_values import softcap_value
 from qattn.layouts.formats import KVFormat
 
 TILE_N = 64
@@ -194,10 +195,7 @@ class DecodeConfig:
             raise ValueError(f"min_warps: expected 4 or 8, got {self.min_warps}")
         if self.tile_n % (16 * self.token_groups):
             raise ValueError("tile_n: must give every token group whole 16-token chunks")
-        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                or not 0.0 <= self.softcap < float("inf")):
-            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
-        object.__setattr__(self, "softcap", float(self.softcap))
+        object.__setattr__(self, "softcap", softcap_value(self.softcap))
 
     # --- derived ------------------------------------------------------------------------------------
     @property

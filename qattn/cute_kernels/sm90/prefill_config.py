@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from qattn.cute_kernels.config_values import softcap_value
+
 __all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LONG_CAUSAL_KEYS", "LPT_GROUP_KV_BYTES",
            "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "seqlen_tile_m",
            "split_tail_plan"]
@@ -246,10 +248,7 @@ class PrefillConfig:
                              "prepass-quantized Q carries it already")
         if self.bias_in_acc and self.qk_dtype != "int8":
             raise ValueError("bias_in_acc: only the int8 QK scores carry the bias")
-        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                or not 0.0 <= self.softcap < float("inf")):
-            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
-        object.__setattr__(self, "softcap", float(self.softcap))
+        object.__setattr__(self, "softcap", softcap_value(self.softcap))
         if not 2 <= self.kv_stages <= 4:
             raise ValueError(f"kv_stages: expected 2..4, got {self.kv_stages}")
 

@@ -1,0 +1,18 @@
+"""Plain-Python checks of the scalar options that kernel configs and entry points share (no cutlass import: the
+config modules, the launchers and the CPU tests read them)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["softcap_value"]
+
+
+def softcap_value(softcap) -> float:
+    """FlashAttention's ``softcap`` as a float: 0.0 (or None) is off, else a finite positive cap; anything else a
+    ValueError. One check for the entry points (prefill, decode) and every kernel config (SM90, SM100)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
+    return float(softcap)
