@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
-def graph_median_us(fn, warmup: int = 3, reps: int = 20, launches: int = 1) -> float:
+def graph_median_us(fn, warmup: int = 3, reps: int = 20, launches: int = 1, settle_ms: float = 30.0) -> float:
     """Median time in µs of one call of ``fn``, replayed from a CUDA graph of ``launches`` calls (captured after
-    ``warmup`` eager calls)."""
+    ``warmup`` eager calls, then replayed for at least ``settle_ms`` before the timed replays: on an H100 the first
+    ~20 replays after a case's set-up ran 10-17 % slow (decode, 2026-11-28), which biased whichever variant a
+    script timed first)."""
     for _ in range(warmup):
         fn()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= settle_ms:
+            break
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
