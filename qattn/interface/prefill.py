@@ -359,6 +359,19 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
     return out, lse
 
 
+def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int) -> None:
+    """Each max_seqlen an int in [1, total] (0 also taken where the total is 0)."""
+    for m, name, total in ((max_seqlen_q, "max_seqlen_q", total_q), (max_seqlen_k, "max_seqlen_k", total_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or not (0 if total == 0 else 1) <= m <= max(total, 1):
+            raise ValueError(f"{name}: expected an int in [{min(total, 1)}, {max(total, 1)}], got {m!r}")
+
+
+def _no_keys(out: torch.Tensor, Hq: int, Tq: int) -> tuple:
+    """The result of a varlen call whose packed totals are 0 (FlashAttention's convention for a row that sees no
+    key, as the kernels write it for a sequence without keys): out 0, LSE -inf."""
+    return out.zero_(), torch.full((Hq, Tq), float("-inf"), dtype=torch.float32, device=out.device)
+
+
 def prefill_int8_varlen(
     q_int8: torch.Tensor,
     q_scale: Optional[torch.Tensor],
@@ -434,9 +447,7 @@ def prefill_int8_varlen(
             raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
     else:
         _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
-    for m, name, total in ((max_seqlen_q, "max_seqlen_q", Tq), (max_seqlen_k, "max_seqlen_k", Tk)):
-        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= max(total, 1):
-            raise ValueError(f"{name}: expected an int in [1, {total}], got {m!r}")
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, Tq, Tk)
     n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
@@ -450,6 +461,9 @@ def prefill_int8_varlen(
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     softcap = _softcap(softcap)
+    if Tq == 0 or Tk == 0:  # packed totals of 0: every row sees no key (or there is no row); nothing to launch
+        out, lse = _no_keys(out, Hq, Tq)
+        return (out, lse) if return_lse else out
     if _check_arch(dev) == "sm_100a":
         out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (Hq, Tq), (num_seqs, Hkv, D),
                                   window=window, softmax_scale=softmax_scale, granularity=granularity,
@@ -798,6 +812,24 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, lse
 
 
+def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """What a varlen call whose packed totals are 0 is still checked for (the prepass and kernel checks it
+    skips): packed 3-d q, k, v on one CUDA device, heads and head_dim, cu_seqlens, max_seqlen ints."""
+    from ..quant.launch import _check_cu, _check_pair
+
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"q, k, v: expected packed (total, heads, head_dim) tensors with k and v alike, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        _check_cu(cu, name, q.device)
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries like cu_seqlens_q, "
+                         f"got {cu_seqlens_k.shape[0]}")
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    _check_pair(q, k)  # devices (CUDA), head_dim, heads
+
+
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                                   qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
@@ -812,6 +844,9 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         from ..quant.v_fp8 import _check_v
 
         _check_v(v.unsqueeze(0))  # before any launch: head_dim 64 / 128
+    if q.shape[0] == 0 or k.shape[0] == 0:  # packed totals of 0: no prepass or kernel launch (they need rows)
+        _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return _no_keys(torch.empty(q.shape, dtype=q.dtype, device=q.device), q.shape[1], q.shape[0])
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               window, softcap)

@@ -200,6 +200,39 @@ def test_torch_compile_fullgraph_matches_eager(balance_qk):
     assert torch.equal(o_c, o_e) and torch.equal(lse_c, lse_e)
 
 
+@pytest.mark.parametrize("pv_dtype,qk_quant", [("bf16", "int8"), ("fp8", "int8"), ("bf16", None)])
+@pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [0, 0]), ([0, 0], [3, 5]), ([4, 7], [0, 0])])
+def test_varlen_packed_totals_zero(lens_q, lens_k, pv_dtype, qk_quant):
+    """Packed totals of 0 (no query row, or no key for any row): FlashAttention's shapes, out 0 and LSE -inf for
+    rows without keys (as the kernel writes a sequence without keys), no launch; then a normal call still works.
+    Also the kernel-level ``prefill_int8_varlen``."""
+    import qattn
+    from qattn.interface.prefill import _scale_groups, prefill_int8_varlen
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")  # noqa: E731
+    Tq, Tk, Hq, Hkv, D = sum(lens_q), sum(lens_k), 4, 2, 128
+    q = torch.randn(Tq, Hq, D, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(Tk, Hkv, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    for _ in range(3):  # the first call, the recorded second and the replayed third (launch plans)
+        torch.full((1 << 20,), float("nan"), device="cuda")  # freed memory that an unfilled output would show
+        o, lse = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                              qk_quant=qk_quant, pv_dtype=pv_dtype, return_lse=True)
+        assert o.shape == (Tq, Hq, D) and o.dtype == q.dtype and lse.shape == (Hq, Tq) and lse.dtype == torch.float32
+        assert torch.all(o == 0) and torch.all(torch.isneginf(lse))
+    if pv_dtype == "bf16" and qk_quant:  # the kernel-level call, its own out poisoned
+        n_qg, n_kb = _scale_groups("per_warp", max(lens_q), max(lens_k))
+        out = torch.full((Tq, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o2, lse2 = prefill_int8_varlen(q.to(torch.int8), torch.ones(2, Hq, n_qg, device="cuda"), k.to(torch.int8),
+                                       torch.ones(2, Hkv, n_kb, device="cuda"), v, cu(lens_q), cu(lens_k),
+                                       max(lens_q), max(lens_k), return_lse=True, out=out)
+        assert o2.data_ptr() == out.data_ptr() and torch.all(o2 == 0) and torch.all(torch.isneginf(lse2))
+    lens = [300, 1]
+    q, k, v = (torch.randn(301, h, D, device="cuda", generator=g).bfloat16() for h in (Hq, Hkv, Hkv))
+    o = qattn.flash_attn_varlen_func(q, k, v, cu(lens), cu(lens), 300, 300, qk_quant=qk_quant, pv_dtype=pv_dtype)
+    assert torch.isfinite(o).all() and o.abs().max() > 0
+
+
 def _varlen_inputs(lens_q, lens_k, Hq, Hkv, D, granularity, seed=0):
     """Packed q/k/v and the per-sequence dense-reference quantization laid out as the varlen prepass does
     (scales padded to the longest sequence, zeros in the unused tail groups)."""

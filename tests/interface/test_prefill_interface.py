@@ -278,3 +278,37 @@ def test_prefill_fake_shapes():
         out, lse = torch.ops.qattn.prefill_varlen(qv, qv[:, :2], qv[:, :2], cu, cu, 300, 300, False, 0.1,
                                                   "per_block", True, "none")
         assert out.shape == qv.shape and lse.shape == (8, 700)
+
+
+@pytest.mark.parametrize("mq,mk,tq,tk,ok", [(1, 1, 5, 7, True), (5, 7, 5, 7, True), (0, 3, 0, 3, True),
+                                            (1, 0, 4, 0, True), (0, 0, 0, 0, True), (1, 1, 0, 0, True),
+                                            (0, 1, 4, 7, False), (6, 1, 5, 7, False), (1, 2, 4, 0, False),
+                                            (True, 1, 4, 7, False), (1.0, 1, 4, 7, False)])
+def test_varlen_max_seqlens(mq, mk, tq, tk, ok):
+    """Each max_seqlen an int in [1, total]; 0 is taken only where the packed total is 0 (such a call launches
+    nothing: out 0, LSE -inf, tests/gpu/test_prefill_gpu.py::test_varlen_packed_totals_zero)."""
+    from qattn.interface.prefill import _check_max_seqlens
+
+    if ok:
+        _check_max_seqlens(mq, mk, tq, tk)
+    else:
+        with pytest.raises(ValueError, match="max_seqlen"):
+            _check_max_seqlens(mq, mk, tq, tk)
+
+
+def test_varlen_totals_zero_still_checked():
+    """A varlen call with packed totals of 0 skips the launches, not the checks."""
+    from qattn.interface.prefill import flash_attn_varlen_func
+
+    cu = torch.zeros(3, dtype=torch.int32)
+    q = torch.zeros(0, 4, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(0, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        flash_attn_varlen_func(q, kv, kv, cu, cu, 0, 0)
+    kv = torch.zeros(0, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match="cu_seqlens"):
+        flash_attn_varlen_func(q, kv, kv, cu.long(), cu, 0, 0)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flash_attn_varlen_func(q, kv, kv, cu, cu, 2, 0)
+    with pytest.raises(ValueError, match="CUDA"):
+        flash_attn_varlen_func(q, kv, kv, cu, cu, 0, 0)
