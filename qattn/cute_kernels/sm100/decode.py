@@ -228,11 +228,14 @@ class DecodeSm100:
         # ---- shared memory ---------------------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(lockstep_storage(S))  # s_done: the QK MMA and its scale copies
-        sQ = smem.allocate_tensor(fp4, q_smem.outer, byte_alignment=128, swizzle=q_smem.inner)
-        sK = smem.allocate_tensor(fp4, k_smem.outer, byte_alignment=128, swizzle=k_smem.inner)
+        # the swizzled operand tiles start on 1024-byte boundaries (a 128B-swizzle pattern's repeat), as in the
+        # SM90 / SM100 prefill: the TMA's and the MMA descriptor's swizzle phase then starts at 0 with no base
+        # offset to get right (at 128-byte alignment sQ began 128 bytes past a boundary)
+        sQ = smem.allocate_tensor(fp4, q_smem.outer, byte_alignment=1024, swizzle=q_smem.inner)
+        sK = smem.allocate_tensor(fp4, k_smem.outer, byte_alignment=1024, swizzle=k_smem.inner)
         sQSF = smem.allocate_tensor(self.sf_dtype, sfq_smem, byte_alignment=128)
         sKSF = smem.allocate_tensor(self.sf_dtype, sfk_smem, byte_alignment=128)
-        sV = smem.allocate_tensor(self.v_dtype, v_smem.outer, byte_alignment=128, swizzle=v_smem.inner)
+        sV = smem.allocate_tensor(self.v_dtype, v_smem.outer, byte_alignment=1024, swizzle=v_smem.inner)
         sVraw = smem.allocate_tensor(Uint8, cute.make_layout((TILE_N, self.v_rb, S),
                                                              stride=(self.v_rb, 1, TILE_N * self.v_rb)),
                                      byte_alignment=128)
