@@ -348,6 +348,8 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
     if quantize_q:
         raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
     k_mean = _softcap_k_mean(softcap, k_mean, k_mean_shape, out.device)  # as on SM90: softcap needs K's mean
+    if cu_seqlens is not None and (q_int8.shape[0] == 0 or k_int8.shape[0] == 0):  # packed totals of 0
+        return _no_keys(out, *lse_shape)
     q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
     if cu_seqlens is not None:
         cu_q, cu_k, max_seqlen_q = cu_seqlens
@@ -360,15 +362,15 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
 
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int) -> None:
-    """Each max_seqlen an int in [1, total] (0 also taken where the total is 0)."""
+    """Each max_seqlen an int in [1, max(total, 1)]; 0 is also taken where the total is 0."""
     for m, name, total in ((max_seqlen_q, "max_seqlen_q", total_q), (max_seqlen_k, "max_seqlen_k", total_k)):
         if isinstance(m, bool) or not isinstance(m, int) or not (0 if total == 0 else 1) <= m <= max(total, 1):
             raise ValueError(f"{name}: expected an int in [{min(total, 1)}, {max(total, 1)}], got {m!r}")
 
 
 def _no_keys(out: torch.Tensor, Hq: int, Tq: int) -> tuple:
-    """The result of a varlen call whose packed totals are 0 (FlashAttention's convention for a row that sees no
-    key, as the kernels write it for a sequence without keys): out 0, LSE -inf."""
+    """The result of a varlen call whose packed totals are 0, as qattn's kernels write a row that sees no key:
+    out 0, LSE -inf (FlashAttention 2 / 3 write LSE +inf there)."""
     return out.zero_(), torch.full((Hq, Tq), float("-inf"), dtype=torch.float32, device=out.device)
 
 
@@ -461,9 +463,6 @@ def prefill_int8_varlen(
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     softcap = _softcap(softcap)
-    if Tq == 0 or Tk == 0:  # packed totals of 0: every row sees no key (or there is no row); nothing to launch
-        out, lse = _no_keys(out, Hq, Tq)
-        return (out, lse) if return_lse else out
     if _check_arch(dev) == "sm_100a":
         out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (Hq, Tq), (num_seqs, Hkv, D),
                                   window=window, softmax_scale=softmax_scale, granularity=granularity,
@@ -474,6 +473,9 @@ def prefill_int8_varlen(
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
                   varlen=True, pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
                   local=window.local, softcap=softcap, **(_tuning or {}))
+    if Tq == 0 or Tk == 0:  # packed totals of 0, every option checked: nothing to launch
+        out, lse = _no_keys(out, Hq, Tq)
+        return (out, lse) if return_lse else out
     q_int8, k_int8, v = _aligned(q_int8), _aligned(k_int8), _aligned(v)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=dev)
     _launch(cfg, q_int8, k_int8, v, out, lse, None if quantize_q else q_scale.contiguous(), k_scale.contiguous(),
@@ -812,9 +814,12 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, lse
 
 
-def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """What a varlen call whose packed totals are 0 is still checked for (the prepass and kernel checks it
-    skips): packed 3-d q, k, v on one CUDA device, heads and head_dim, cu_seqlens, max_seqlen ints."""
+def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity: str,
+                        softcap: float, balance_qk: bool, quantized: bool) -> None:
+    """The checks that a varlen call whose packed totals are 0 would otherwise get from the prepass and kernel
+    launchers it skips: packed q, k, v on one CUDA device, heads and head_dim, cu_seqlens (num_seqs + 1 >= 2
+    int32 entries each), max_seqlen ints and, with int8 Q K^T (``quantized``), granularity and softcap with
+    balance_qk."""
     from ..quant.launch import _check_cu, _check_pair
 
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
@@ -823,11 +828,18 @@ def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
     for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         _check_cu(cu, name, q.device)
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name}: expected num_seqs + 1 >= 2 entries, got {cu.shape[0]}")
     if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
         raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries like cu_seqlens_q, "
                          f"got {cu_seqlens_k.shape[0]}")
     _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     _check_pair(q, k)  # devices (CUDA), head_dim, heads
+    if v.device != q.device:
+        raise ValueError(f"v: expected device {q.device} (that of q), got {v.device}")
+    if quantized:
+        _scale_groups(granularity, max_seqlen_q, max_seqlen_k)  # the granularity's name
+        _check_softcap_balance(softcap, balance_qk, _kernel_quantizes_q(q, granularity))
 
 
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -845,8 +857,9 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
         _check_v(v.unsqueeze(0))  # before any launch: head_dim 64 / 128
     if q.shape[0] == 0 or k.shape[0] == 0:  # packed totals of 0: no prepass or kernel launch (they need rows)
-        _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return _no_keys(torch.empty(q.shape, dtype=q.dtype, device=q.device), q.shape[1], q.shape[0])
+        _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity, softcap,
+                            balance_qk, quantized=qk_quant != "none")
+        return _no_keys(torch.zeros(q.shape, dtype=q.dtype, device=q.device), q.shape[1], q.shape[0])
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               window, softcap)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from qattn.bench.timing import _settle
 
 
 def graph_median_us(fn, warmup: int = 3, reps: int = 20, launches: int = 1, settle_ms: float = 30.0) -> float:
@@ -18,13 +18,7 @@ def graph_median_us(fn, warmup: int = 3, reps: int = 20, launches: int = 1, sett
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    t0 = time.perf_counter()
-    while True:
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
-        if (time.perf_counter() - t0) * 1e3 >= settle_ms:
-            break
+    _settle([g.replay], settle_ms / 1e3)
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

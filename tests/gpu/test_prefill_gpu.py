@@ -204,8 +204,9 @@ def test_torch_compile_fullgraph_matches_eager(balance_qk):
 @pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [0, 0]), ([0, 0], [3, 5]), ([4, 7], [0, 0])])
 def test_varlen_packed_totals_zero(lens_q, lens_k, pv_dtype, qk_quant):
     """Packed totals of 0 (no query row, or no key for any row): FlashAttention's shapes, out 0 and LSE -inf for
-    rows without keys (as the kernel writes a sequence without keys), no launch; then a normal call still works.
-    Also the kernel-level ``prefill_int8_varlen``."""
+    rows without keys (as qattn's kernels write a sequence without keys), no launch (asserted on the CPU with
+    recorded launches, tests/sm100/test_prefill_dispatch_sm100.py); then a normal call still works. Also the
+    kernel-level ``prefill_int8_varlen``."""
     import qattn
     from qattn.interface.prefill import _scale_groups, prefill_int8_varlen
 
@@ -214,8 +215,12 @@ def test_varlen_packed_totals_zero(lens_q, lens_k, pv_dtype, qk_quant):
     Tq, Tk, Hq, Hkv, D = sum(lens_q), sum(lens_k), 4, 2, 128
     q = torch.randn(Tq, Hq, D, device="cuda", generator=g).bfloat16()
     k, v = (torch.randn(Tk, Hkv, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    for _ in range(3):  # the first call, the recorded second and the replayed third (launch plans)
-        torch.full((1 << 20,), float("nan"), device="cuda")  # freed memory that an unfilled output would show
+    # the first call, the recorded second and the replayed third (launch plans; a call without query rows stays
+    # unplanned: its empty output has no address to record)
+    for _ in range(3):
+        # freed blocks of the outputs' sizes, NaN, for the caching allocator to hand out: an unfilled output shows
+        torch.full((Tq, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        torch.full((Hq, Tq), float("nan"), device="cuda")
         o, lse = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
                                               qk_quant=qk_quant, pv_dtype=pv_dtype, return_lse=True)
         assert o.shape == (Tq, Hq, D) and o.dtype == q.dtype and lse.shape == (Hq, Tq) and lse.dtype == torch.float32

@@ -121,7 +121,7 @@ def test_mma_sync_decode_compiles_for_sm100(kf, vf, D, group, sq, split, W, N, w
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas on PATH")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_b16"])
 @pytest.mark.parametrize("split", [False, True], ids=["nosplit", "split"])
 @pytest.mark.parametrize("extra", [{}, {"window": True}, {"softcap": 30.0}, {"window": True, "softcap": 30.0}],
                          ids=["plain", "window", "softcap", "window-softcap"])
@@ -157,7 +157,7 @@ class _DequantV:
         d, S = self.dec, self.dec.cfg.stages
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.utils.SmemAllocator()
-        sV = smem.allocate_tensor(d.v_dtype, v_smem.outer, byte_alignment=128, swizzle=v_smem.inner)
+        sV = smem.allocate_tensor(d.v_dtype, v_smem.outer, byte_alignment=1024, swizzle=v_smem.inner)  # as the kernel
         sVraw = smem.allocate_tensor(Uint8, cute.make_layout((TILE_N, d.v_rb, S), stride=(d.v_rb, 1, TILE_N * d.v_rb)),
                                      byte_alignment=128)
         sVSraw = smem.allocate_tensor(Uint8, cute.make_layout((TILE_N * d.v_srb // 16, 16, S),

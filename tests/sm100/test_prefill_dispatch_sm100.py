@@ -326,3 +326,40 @@ def test_sm100_varlen_packed_forms(gpu):
     qattn.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 100, 100)
     assert [c[0] for c in calls] == ["sm100"] * 2 and all(c[1].varlen for c in calls)
     assert [c[1].causal for c in calls] == [True, False]
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [3, 5]), ([4, 7], [0, 0]), ([0], [0])])
+def test_varlen_packed_totals_zero_launch_nothing(gpu, cap, lens_q, lens_k):
+    """Packed totals of 0 (no query row, or no key for any row): out 0 and LSE -inf (qattn's kernels' convention
+    for a row without keys), no prepass and no kernel launch, on both arches; every option still checked."""
+    calls = gpu(cap)
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)  # noqa: E731
+    Tq, Tk, Hq, Hkv, D = sum(lens_q), sum(lens_k), 4, 2, 128
+    q = torch.randn(Tq, Hq, D).bfloat16()
+    k, v = torch.randn(Tk, Hkv, D).bfloat16(), torch.randn(Tk, Hkv, D).bfloat16()
+    cq, ck, mq, mk = cu(lens_q), cu(lens_k), max(lens_q), max(lens_k)
+    for qk_quant in ("int8", None) if cap == (9, 0) else ("int8",):
+        out, lse = qattn.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, qk_quant=qk_quant, return_lse=True)
+        assert out.shape == (Tq, Hq, D) and out.dtype == q.dtype and torch.all(out == 0)
+        assert lse.shape == (Hq, Tq) and lse.dtype == torch.float32 and torch.all(torch.isneginf(lse))
+    with pytest.raises(ValueError, match="granularity"):
+        qattn.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, granularity="per_row")
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        qattn.flash_attn_varlen_func(q, k, v, cq[:1], ck[:1], mq, mk)
+    if cap == (9, 0):  # the kernel that reads the balance is the one that quantizes Q (per_warp)
+        with pytest.raises(NotImplementedError, match="softcap"):
+            qattn.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, softcap=5.0, balance_qk=True, granularity="per_block")
+    # the kernel-level call: its own out zeroed in place
+    n_qg, n_kb = pf._scale_groups("per_warp", mq, mk)
+    S = len(lens_q)
+    args = (q.to(torch.int8), torch.ones(S, Hq, n_qg), k.to(torch.int8), torch.ones(S, Hkv, n_kb), v, cq, ck, mq, mk)
+    out = torch.full((Tq, Hq, D), float("nan"), dtype=torch.bfloat16)
+    o, lse = pf.prefill_int8_varlen(*args, return_lse=True, out=out)
+    assert o.data_ptr() == out.data_ptr() and torch.all(o == 0) and torch.all(torch.isneginf(lse))
+    with pytest.raises(ValueError, match="k_mean"):  # softcap needs K's smoothing mean, totals or not
+        pf.prefill_int8_varlen(*args, softcap=5.0)
+    if cap == (10, 0):
+        with pytest.raises(ValueError, match="_tuning"):
+            pf.prefill_int8_varlen(*args, _tuning={"tile_m": 128})
+    assert calls == []
