@@ -361,6 +361,19 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
     return out, lse
 
 
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, dev) -> int:
+    """Both cu_seqlens 1-d int32 tensors on ``dev`` of the same num_seqs + 1 >= 2 entries; returns num_seqs."""
+    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2 or t.device != dev:
+            raise ValueError(f"{name}: expected a 1-d int32 tensor of num_seqs + 1 >= 2 entries on {dev}")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_k: expected {num_seqs + 1} entries like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    return num_seqs
+
+
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int) -> None:
     """Each max_seqlen an int in [1, max(total, 1)]; 0 is also taken where the total is 0."""
     for m, name, total in ((max_seqlen_q, "max_seqlen_q", total_q), (max_seqlen_k, "max_seqlen_k", total_k)):
@@ -432,14 +445,7 @@ def prefill_int8_varlen(
         raise TypeError(f"q_int8: with q_scale=None, Q must have the output's dtype {out_dtype}, got {q_int8.dtype}")
     _check_heads(D, Hq, Hkv, "k_int8")
     _check(k_int8, "k_int8", torch.int8, (Tk, Hkv, D), dev)
-    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2 or t.device != dev:
-            raise ValueError(f"{name}: expected a 1-d int32 tensor of num_seqs + 1 >= 2 entries on {dev}")
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if cu_seqlens_k.shape[0] != num_seqs + 1:
-        raise ValueError(f"cu_seqlens_k: expected {num_seqs + 1} entries like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    num_seqs = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, dev)
     if fp8:
         from ..quant.v_fp8 import varlen_vt_keys
 
@@ -820,19 +826,13 @@ def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     launchers it skips: packed q, k, v on one CUDA device, heads and head_dim, cu_seqlens (num_seqs + 1 >= 2
     int32 entries each), max_seqlen ints and, with int8 Q K^T (``quantized``), granularity and softcap with
     balance_qk."""
-    from ..quant.launch import _check_cu, _check_pair
+    from ..quant.launch import _check_pair
 
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"q, k, v: expected packed (total, heads, head_dim) tensors with k and v alike, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
-    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
-        _check_cu(cu, name, q.device)
-        if cu.shape[0] < 2:
-            raise ValueError(f"{name}: expected num_seqs + 1 >= 2 entries, got {cu.shape[0]}")
-    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
-        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries like cu_seqlens_q, "
-                         f"got {cu_seqlens_k.shape[0]}")
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     _check_pair(q, k)  # devices (CUDA), head_dim, heads
     if v.device != q.device:

@@ -91,23 +91,6 @@ def test_prefill_sm100_softcap_compiles(D, causal, gran, local):
     assert ptx_count(ptx, r"tcgen05\.alloc") == 1 and ptx_count(ptx, r"tcgen05\.commit") == 2
 
 
-def _ptxas_spills(ptx: str):
-    """Bytes of local-memory spill stores ptxas reports for sm_100a (None without ptxas on the PATH)."""
-    import re
-    import shutil
-    import subprocess
-    import tempfile
-
-    if shutil.which("ptxas") is None:
-        return None
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as fh:
-        fh.write(ptx)
-        fh.flush()
-        res = subprocess.run(["ptxas", "-arch=sm_100a", "-v", fh.name, "-o", "/dev/null"], capture_output=True,
-                             text=True, check=True)
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr))
-
-
 @pytest.mark.parametrize("D,causal,gran,vd,local,cap", [(128, True, "per_warp", "bf16", False, 0.0),
                                                         (64, False, "per_block", "fp16", False, 0.0),
                                                         (128, True, "per_block", "bf16", True, 30.0),
@@ -129,10 +112,13 @@ def test_prefill_sm100_varlen_compiles(D, causal, gran, vd, local, cap):
     assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
     assert ptx_count(ptx, r"cp\.async\.bulk\.tensor\.3d") > 0 and ptx_count(ptx, r"cp\.async\.bulk\.tensor\.4d") == 0
     assert ptx_count(ptx_dense, r"cp\.async\.bulk\.tensor\.4d") > 0
-    spills, spills_dense = _ptxas_spills(ptx), _ptxas_spills(ptx_dense)
-    print(f"ptxas spill stores: varlen {spills}, dense {spills_dense}")
-    if spills_dense == 0:
-        assert spills == 0
+    if shutil.which("ptxas") is not None:
+        from tests.sm100._cases import ptxas_spill_bytes
+
+        spills, spills_dense = ptxas_spill_bytes(ptx)[1], ptxas_spill_bytes(ptx_dense)[1]
+        print(f"ptxas spill stores: varlen {spills}, dense {spills_dense}")
+        if spills_dense == 0:
+            assert spills == 0
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas on PATH")
