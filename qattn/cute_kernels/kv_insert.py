@@ -329,7 +329,8 @@ class KVInsert:
         mSigns = cute.make_tensor(rot_signs, cute.make_layout((self.elems, self.threads_per_row)))
         grid_x = (rows + self.rows_per_cta - 1) // self.rows_per_cta
         self.kernel(mKin, mVin, mSlot, mSeq, mPos, mKd, mKs, mKg, mVd, mVs, mVg, mKr, mVr, mKsk, mVsk, mCS, mMean,
-                    mSigns, num_tokens, num_heads, page_size, window, sink_rows, max_position).launch(
+                    mSigns, num_tokens, num_heads, page_size, window, pool_rows, ring_rows, sink_rows,
+                    max_position).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -338,7 +339,7 @@ class KVInsert:
                mVs: cute.Tensor, mVg: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor, mKsk: cute.Tensor,
                mVsk: cute.Tensor, mCS: cute.Tensor,
                mMean: cute.Tensor, mSigns: cute.Tensor, num_tokens: Int32, num_heads: Int32, page_size: Int32,
-               window: Int32, sink_rows: Int32, max_position: Int32):
+               window: Int32, pool_rows: Int32, ring_rows: Int32, sink_rows: Int32, max_position: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         row = bidx * self.rows_per_cta + tidx // self.threads_per_row
@@ -358,7 +359,10 @@ class KVInsert:
             for ci in cutlass.range_constexpr(self.in_chunks):
                 cute.copy(vec128, mKin[None, ci, part, head, token], rKin[None, ci])
                 cute.copy(vec128, mVin[None, ci, part, head, token], rVin[None, ci])
+        # A slot past the pool (unchecked without write_kv(check=True)) is skipped like -1: never out of bounds.
         valid = slot >= Int64(0)
+        if slot >= Int64(pool_rows // num_heads):
+            valid = False
         s32 = Int32(slot)
         blk = s32 // page_size
         pool_row = (blk * num_heads + head) * page_size + (s32 - blk * page_size)
@@ -375,7 +379,15 @@ class KVInsert:
                         if mSeq[nxt] == seq:
                             if mPos[nxt] == pos + Int64(window):
                                 ring_ok = False
-                ring_row = (Int32(seq) * num_heads + head) * window + Int32(pos % Int64(window))
+                # an out-of-range seq_slot or a negative position writes no ring row (as for the sink, below)
+                if seq < Int64(0):
+                    ring_ok = False
+                if pos < Int64(0):
+                    ring_ok = False
+                row64 = (seq * Int64(num_heads) + Int64(head)) * Int64(window) + pos % Int64(window)
+                if row64 >= Int64(ring_rows):
+                    ring_ok = False
+                ring_row = Int32(row64)
 
         # Sink caches: positions < N also go to sink[seq, head, pos]. Each entry is written by the one token at
         # that (sequence, position), so unlike the ring there is nothing to arbitrate. A negative position or an

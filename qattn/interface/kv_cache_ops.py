@@ -79,8 +79,9 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     so it is safe inside CUDA graphs (a position outside the RoPE table is then clamped into it: wrong numbers,
     never an out-of-bounds read). ``check=True`` also validates values (synchronises): slots in
     ``[-1, capacity)`` and distinct, seq_slots in range, positions >= 0 (and inside the RoPE table), the ring
-    precondition above, no (seq_slot, position) twice, and finite k / v / k_mean. (Without ``check``, a sink
-    row whose seq_slot or position is out of range is not written; the kernel never writes out of bounds there.)
+    precondition above, no (seq_slot, position) twice, and finite k / v / k_mean. (Without ``check`` the kernel
+    still never writes out of bounds: a token whose slot is past the pool is skipped, like slot -1, and a ring or
+    sink row whose seq_slot or position is out of range is not written.)
     """
     from ..cute_kernels import kv_insert
     from .variants import supported_arch

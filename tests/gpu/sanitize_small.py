@@ -1,8 +1,8 @@
 """Small cases for ``compute-sanitizer --tool memcheck``: insert (plain, and with RoPE + smoothing + rotation
 into ring and / or sink caches), flatten, decode (split on/off, partial pages, -1 padded block tables, GQA,
 seqlen_q > 1, a recent window, sink tokens, sliding windows, also over the ring / sink), the INT8 Q/K prepass and the INT8-QK prefill (dense
-ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows), and launch plan
-replays of prefill, decode and insert calls. Run as a script; exits non-zero on a wrong result."""
+ragged, causal, varlen; with and without channel balancing; a split last wave; sliding windows), launch plan
+replays of prefill, decode and insert calls, and unchecked out-of-range slots, ring rows and lengths. Run as a script; exits non-zero on a wrong result."""
 
 import torch
 
@@ -41,8 +41,21 @@ def main() -> None:
     _ring_and_transforms(g)
     _prefill(g)
     _replays(g)
+    _out_of_range()
     torch.cuda.synchronize()
     print("sanitize_small: OK")
+
+
+def _out_of_range() -> None:
+    """Unchecked bad values (no host sync to find them): insert slots past the pool and ring rows out of range
+    write nothing; decode lengths past the block table's row read inside it."""
+    from tests.gpu.test_decode_gpu import _check, lengths_past_the_table_case
+    from tests.gpu.test_kv_insert_gpu import test_out_of_range_slots_and_ring_rows_write_nothing
+
+    test_out_of_range_slots_and_ring_rows_write_nothing()
+    for splits in (1, 3):
+        _check(*lengths_past_the_table_case("nvfp4", splits))
+    print("out-of-range slots, ring rows and lengths: OK")
 
 
 def _ring_and_transforms(g) -> None:

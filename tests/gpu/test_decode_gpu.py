@@ -297,6 +297,30 @@ def test_decode_fp16_noncausal_bigpages(fmt):
     _run(fmt, 128, 8, 1, 256, 0, causal=True, lens=[700, 5, 257])  # automatic splits
 
 
+def lengths_past_the_table_case(fmt, splits: int, page: int = 16):
+    """cache_seqlens past what each block-table row covers (not checked on the host: that would sync). The
+    kernel keeps table columns inside the row, so positions past it read the row's last block: the reference
+    over a table whose extra columns repeat the last one. The narrow table is its own allocation, so a read past
+    its end is out of bounds (the memcheck run). Returns (got, lse, ref_out, ref_lse)."""
+    from qattn.interface.decode import flash_attn_with_kvcache
+    from qattn.reference import paged_decode_reference
+
+    cache, q, _, table = make_case(fmt, 128, 4, 1, page, [5 * page, 3 * page + 4])
+    narrow = table[:, :3].clone()  # 3 * page positions per row; the lengths below need 5 and 4 pages
+    lens = torch.tensor([5 * page, 3 * page + 4], dtype=torch.int32, device=q.device)
+    wide = torch.cat([narrow, narrow[:, 2:3].expand(-1, 2)], dim=1).contiguous()
+    out = torch.full_like(q, float("nan"))
+    got, lse = flash_attn_with_kvcache(q, cache, lens, narrow, num_splits=splits, return_lse=True, out=out)
+    ref_out, ref_lse = paged_decode_reference(q, cache, lens, wide, causal=True, return_lse=True)
+    return got, lse, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16"])
+def test_decode_lengths_past_the_table(fmt, splits):
+    _check(*lengths_past_the_table_case(fmt, splits))
+
+
 def test_decode_rejects_bad_args():
     from qattn.interface.decode import flash_attn_with_kvcache
 

@@ -357,6 +357,54 @@ def test_sink_check_mode_and_out_of_range_values():
     assert torch.equal(lay.v_sink.view(torch.int16), before[1].view(torch.int16))
 
 
+def out_of_range_insert_case(fmt: str = "nvfp4"):
+    """write_kv without check on slots past the pool (one past 2^31, which an int32 slot would wrap) and ring rows
+    of an out-of-range seq_slot or a negative position. Returns (cache, snapshot before, k, v, slots, expected
+    layer-0 pools): those tokens write nothing (pools) or no ring row, and layer 1 (the next layer's memory)
+    stays as it was."""
+    gen = torch.Generator().manual_seed(41)
+    H, D, page, nb = 2, 128, 16, 8
+    cache = PagedKVCache(2, nb, page, H, D, fmt, device="cuda:0", recent_window=8, max_seqs=2)
+    for lay in cache._layers:  # poison both layers
+        for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring):
+            if t is not None:
+                b = t.view(torch.uint8)
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).cuda())
+    before = [[None if t is None else t.clone() for t in (lay.k_data, lay.v_data, lay.k_scale_pool,
+                                                           lay.v_scale_pool, lay.k_ring, lay.v_ring)]
+              for lay in cache._layers]
+    cap = nb * page
+    k, v = _inputs(6, H, D, gen)
+    slots = torch.tensor([0, cap, cap + 7, 2**31 + 3, 5, 6])
+    seqs = torch.tensor([0, 0, 0, 0, 2, 1])  # token 4: seq_slot 2 of max_seqs 2
+    pos = torch.tensor([0, 1, 2, 3, 4, -2])  # token 5: a negative position
+    # the pools as a ringless cache of the same pools gets them from the reference, bad slots skipped
+    lay = cache.layer(0)
+    twin = PagedKVCache.from_tensors([KVLayer(*(None if t is None else t.cpu().clone() for t in (
+        lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_global_scale, lay.v_global_scale)))],
+        page, D, fmt)
+    write_kv_reference(twin, 0, k.cpu(), v.cpu(), torch.tensor([0, -1, -1, -1, 5, 6]))
+    qattn.write_kv(cache, 0, k, v, slots.cuda(), seq_slots=seqs.cuda(), positions=pos.cuda())
+    torch.cuda.synchronize()
+    return cache, before, k, v, twin
+
+
+def test_out_of_range_slots_and_ring_rows_write_nothing():
+    cache, before, k, v, twin = out_of_range_insert_case()
+    lay, ref = cache.layer(0), twin.layer(0)
+    for nm in ("k_data", "v_data", "k_scale_pool", "v_scale_pool"):
+        g, r = getattr(lay, nm), getattr(ref, nm)
+        assert torch.equal(g.cpu().view(torch.uint8), r.view(torch.uint8)), f"layer 0 {nm} differs from the reference"
+    for ring, x, old in ((lay.k_ring, k, before[0][4]), (lay.v_ring, v, before[0][5])):
+        exp = old.clone()
+        exp[0, :, 0] = x[0]  # only token 0 (seq_slot 0, position 0) has a ring row
+        assert torch.equal(ring.view(torch.int16), exp.view(torch.int16)), "ring rows written out of range"
+    for t, old in zip((cache.layer(1).k_data, cache.layer(1).v_data, cache.layer(1).k_scale_pool,
+                       cache.layer(1).v_scale_pool, cache.layer(1).k_ring, cache.layer(1).v_ring), before[1]):
+        if t is not None:
+            assert torch.equal(t.view(torch.uint8), old.view(torch.uint8)), "layer 1 written by a layer-0 insert"
+
+
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("mxfp4", "fp8"), ("int8", "bf16"), ("mxfp4_b16", "int8")])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_flatten_equals_reference(pair, head_dim):

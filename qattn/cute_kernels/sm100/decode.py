@@ -449,7 +449,9 @@ class DecodeSm100:
         for i in range(self.n_pieces):
             token0 = tile * TILE_N + i * P
             valid = token0 < kv_len
-            bt_idx = sel(valid, b * max_blocks + token0 // cfg.page_size, b * max_blocks, Int32)
+            col = token0 // cfg.page_size  # kept in the table's row: a length past what it covers reads wrong
+            col = sel(col < max_blocks, col, max_blocks - 1, Int32)  # numbers, never past the table
+            bt_idx = sel(valid, b * max_blocks + col, b * max_blocks, Int32)
             blk = sel(valid, mBT[bt_idx], 0, Int32)
             blk = sel(blk < num_blocks, blk, num_blocks - 1, Int32)
             blk = sel(blk > 0, blk, 0, Int32)

@@ -733,7 +733,9 @@ class DecodeSm90:
                 within = v % vpp
                 token0 = tile * TN + piece * P
                 valid = token0 < kv_len
-                bt_idx = _sel(valid, b * max_blocks + token0 // page, b * max_blocks, Int32)
+                col = token0 // page  # kept in the table's row: a length past what it covers reads wrong
+                col = _sel(col < max_blocks, col, max_blocks - 1, Int32)  # numbers, never past the table
+                bt_idx = _sel(valid, b * max_blocks + col, b * max_blocks, Int32)
                 blk = _sel(valid, mBT[bt_idx], 0, Int32)
                 blk = _sel(blk < num_blocks, blk, num_blocks - 1, Int32)
                 blk = _sel(blk > 0, blk, 0, Int32)
