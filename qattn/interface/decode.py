@@ -119,6 +119,32 @@ def _check_seq_slots(cache: PagedKVCache, seq_slots, batch: int, device) -> None
                          "sink_tokens=0); pass None")
 
 
+def _check_q(q, cache) -> None:
+    """q a 4-d bf16 / fp16 tensor with the cache's head_dim (checked before a rotated cache rotates it)."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape (batch, seqlen_q, num_heads, head_dim), got {tuple(q.shape)}")
+    if q.shape[3] != cache.head_dim:
+        raise ValueError(f"q: head_dim {q.shape[3]} does not match the cache's {cache.head_dim}")
+
+
+def _check_out(out, q) -> None:
+    """The caller's ``out``: None, or a contiguous tensor of q's dtype, shape and device."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out: expected dtype {q.dtype}, got {out.dtype}")
+    if tuple(out.shape) != tuple(q.shape) or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
+
+
 def _flash_attn_with_kvcache_eager(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -161,26 +187,22 @@ def _flash_attn_with_kvcache_eager(
     Returns ``out`` (batch, seqlen_q, num_heads, head_dim) in q's dtype, and with ``return_lse`` also the
     natural-log LSE (batch, num_heads, seqlen_q) fp32.
 
-    Block ids are not read on the host (that would sync); the kernel clamps them to the pool, so a bad table gives
+    Block ids and lengths are not read on the host (that would sync); the kernel clamps block ids to the pool and
+    table columns to the table's row, so a bad table, or a ``cache_seqlens`` entry past what its row covers, gives
     wrong numbers, never an out-of-bounds access.
     """
     # ---- validation (host-known facts only) ----
-    if not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected shape (batch, seqlen_q, num_heads, head_dim), got {tuple(q.shape)}")
+    _check_q(q, cache)
     if not q.is_cuda:
         raise ValueError(f"q: expected a CUDA tensor, got device {q.device}")
     B, Sq, Hq, D = q.shape
     H = cache.num_kv_heads
-    if D != cache.head_dim:
-        raise ValueError(f"q: head_dim {D} does not match the cache's {cache.head_dim}")
     if D not in (64, 128):
         raise ValueError(f"head_dim: {D} is not supported by the SM90 decode kernel (64 or 128)")
+    if B < 1 or Hq < 1:
+        raise ValueError(f"q: batch ({B}) and num_heads ({Hq}) must be >= 1")
+    if B > 65535:  # the decode grid's z
+        raise ValueError(f"q: at most 65535 sequences per call (grid limit), got {B}")
     if Hq % H:
         raise ValueError(f"q: {Hq} query heads is not a multiple of the cache's {H} kv heads")
     group = Hq // H
@@ -191,7 +213,7 @@ def _flash_attn_with_kvcache_eager(
                          "per kv head (the decode kernel's limit: e.g. seqlen_q 16 with GQA 16)")
     if cache.device != q.device:
         raise ValueError(f"cache: on {cache.device}, q on {q.device}")
-    if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
         raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {layer!r}")
     _check_vec(cache_seqlens, "cache_seqlens", B, q.device)
     _check_seq_slots(cache, seq_slots, B, q.device)
@@ -205,22 +227,18 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"block_table: expected device {q.device}, got {block_table.device}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table
     window = resolve_window(window_size, causal, Sq, max_len)
     softcap = _softcap(softcap)
+    score_scale(softmax_scale, softcap)  # the kernels' fp32 score scale, checked before any launch
     if q.numel() >= 2**31 // max(1, num_splits or 1):
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-        if out.dtype != q.dtype:
-            raise TypeError(f"out: expected dtype {q.dtype}, got {out.dtype}")
-        if tuple(out.shape) != tuple(q.shape) or out.device != q.device or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous {tuple(q.shape)} tensor on {q.device}")
+    _check_out(out, q)
     arch = _check_arch(q.device)
     if arch == "sm_100a" and _tcgen05_takes(cache, _dtype_name(q.dtype), group, Sq):  # SM100 dispatch (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100
@@ -324,7 +342,9 @@ def flash_attn_with_kvcache(
     # matrix product each way with the cache's dense R).
     rot = cache.rotation_matrix if isinstance(cache, PagedKVCache) else None
     final_out = out
-    if rot is not None:
+    if rot is not None:  # q and out checked first: the rotation would take (or broadcast into) wrong shapes
+        _check_q(q, cache)
+        _check_out(out, q)
         q, out = rotate_query_dense(q, rot), None
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         res = paged_decode_traced(q, cache, cache_seqlens, block_table, layer, softmax_scale, causal, num_splits,

@@ -179,14 +179,15 @@ def contiguous16(t):
 def kernel_view(t, offset_limit: int | None = None):
     """``t`` itself when the kernels that take strides can read it in place, else :func:`contiguous16` of it:
     last dim contiguous, the data pointer and the byte stride of every other dimension longer than 1 multiples of
-    16 (16-byte loads, TMA descriptors; a size-1 dimension's stride is never used), and with ``offset_limit``
+    16 and not 0 (16-byte loads, TMA descriptors; a broadcast, ``expand``ed dimension is copied; a size-1
+    dimension's stride is never used), and with ``offset_limit``
     (kernels with 32-bit strides) its largest element offset below it. E.g. q, k, v sliced out of one packed QKV
     projection pass. The common contiguous case costs a fraction of a microsecond."""
     if t.is_contiguous():
         return t if t.data_ptr() % 16 == 0 else t.clone()
     eb, shape, stride = t.element_size(), t.shape, t.stride()
     ok = stride[-1] == 1 and t.data_ptr() % 16 == 0 and all(
-        n == 1 or st * eb % 16 == 0 for n, st in zip(shape[:-1], stride[:-1]))
+        n == 1 or (st > 0 and st * eb % 16 == 0) for n, st in zip(shape[:-1], stride[:-1]))
     if ok and offset_limit is not None:
         ok = sum((n - 1) * st for n, st in zip(shape, stride)) < offset_limit
     return t if ok else contiguous16(t)

@@ -123,7 +123,7 @@ def _check_balance_input(qk_balance, quantize_q: bool, shape, dev) -> None:
 def _check_heads(D: int, Hq: int, Hkv: int, kname: str) -> None:
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv:
+    if Hq < 1 or Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{kname}: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
 
 
@@ -138,8 +138,9 @@ def _scale_groups(granularity: str, seqlen_q: int, seqlen_k: int) -> tuple[int, 
 def _softmax_scale(softmax_scale, D: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(D)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale: expected a positive float, got {softmax_scale!r}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
     return softmax_scale
 
 
@@ -298,8 +299,10 @@ def prefill_int8(
             raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
     else:
         _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
-    if Sq < 1 or Sk < 1:
-        raise ValueError(f"q_int8: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
+    if B < 1 or Sq < 1 or Sk < 1:
+        raise ValueError(f"q_int8: batch ({B}), seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
+    if max(B, Hq) > _MAX_GRID_YZ:
+        raise ValueError(f"q_int8: at most {_MAX_GRID_YZ} batches and heads (grid limit), got {B} and {Hq}")
     n_qg, n_kb = _scale_groups(granularity, Sq, Sk)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
@@ -313,6 +316,7 @@ def prefill_int8(
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
     window = resolve_window(window_size, causal, Sq, Sk)
     softcap = _softcap(softcap)
+    score_scale(softmax_scale, softcap)  # checked here, not first at the launch
     if _check_arch(dev) == "sm_100a":
         out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (B, Hq, Sq), (B, Hkv, D), window=window,
                                   softmax_scale=softmax_scale, granularity=granularity, softcap=softcap,
@@ -359,6 +363,43 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
                        softmax_scale=softmax_scale, granularity=granularity, softcap=softcap, k_mean=k_mean,
                        cu_seqlens=cu_seqlens)
     return out, lse
+
+
+_MAX_GRID_YZ = 65535  # the kernels' grids: heads on y, sequences on z
+
+
+def _check_dense_inputs(q, k, v) -> None:
+    """``flash_attn_func``'s q, k, v shapes and sizes, before any launch (the prepass included): 4-d, k and v
+    alike with q's batch and head_dim, at least one batch, row and head, a supported head_dim and GQA ratio, and
+    no more batches or heads than a grid dimension takes."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"q, k, v: expected (batch, seqlen, heads, head_dim) tensors with k and v alike, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Sq, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k: expected batch {B} and head_dim {D} like q, got shape {tuple(k.shape)}")
+    if B < 1 or Sq < 1 or k.shape[1] < 1:
+        raise ValueError(f"q, k: batch ({B}), seqlen_q ({Sq}) and seqlen_k ({k.shape[1]}) must be >= 1")
+    _check_heads(D, Hq, k.shape[2], "k")
+    if max(B, Hq) > _MAX_GRID_YZ:
+        raise ValueError(f"q: at most {_MAX_GRID_YZ} batches and heads (grid limit), got {B} and {Hq}")
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """``flash_attn_varlen_func``'s packed q, k, v, cu_seqlens and max_seqlens, before any launch (packed totals
+    of 0 included); returns num_seqs."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"q, k, v: expected packed (total, heads, head_dim) tensors with k and v alike, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
+    num_seqs = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    if max(num_seqs, q.shape[1]) > _MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
+                         f"and {q.shape[1]}")
+    return num_seqs
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, dev) -> int:
@@ -456,6 +497,9 @@ def prefill_int8_varlen(
     else:
         _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k, Tq, Tk)
+    if max(num_seqs, Hq) > _MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
+                         f"and {Hq}")
     n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
@@ -469,6 +513,7 @@ def prefill_int8_varlen(
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     softcap = _softcap(softcap)
+    score_scale(softmax_scale, softcap)  # checked here, not first at the launch
     if _check_arch(dev) == "sm_100a":
         out, lse = _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, (Hq, Tq), (num_seqs, Hkv, D),
                                   window=window, softmax_scale=softmax_scale, granularity=granularity,
@@ -553,6 +598,7 @@ def flash_attn_func(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """FlashAttention's ``flash_attn_func`` with SageAttention-style INT8 Q/K: q (batch, seqlen_q, num_heads,
     head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
@@ -578,10 +624,12 @@ def flash_attn_func(
     emulated only). One compiled kernel per value (a model has one).
 
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
-    unchanged: ``dropout_p=0.0``, ``alibi_slopes=None``; anything else raises NotImplementedError (no ALiBi or
-    dropout here). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
+    unchanged when passed by keyword: ``dropout_p=0.0``, ``alibi_slopes=None``, ``return_attn_probs=False``;
+    anything else raises NotImplementedError (no ALiBi, dropout or attention probabilities here). Everything after
+    q, k, v is keyword-only (FlashAttention's versions order their positional parameters differently). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
     a fixed order).
     """
+    _check_attn_probs(return_attn_probs)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
     # a signature seen before replays its recorded launches (launch_plan.py)
@@ -618,7 +666,9 @@ def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropo
     _check_balance(balance_qk, qk_quant)
     _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
-    return window, _softmax_scale(softmax_scale, q.shape[-1]), softcap
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    score_scale(softmax_scale, softcap)  # the kernels' fp32 score scale, checked before any launch
+    return window, softmax_scale, softcap
 
 
 # ``k_mean`` of an internal call whose K was not smoothed (``flash_attn_func(smooth_k=False)``)
@@ -656,6 +706,13 @@ def _internal_k_mean(softcap: float, k_mean):
     return _UNSMOOTHED if k_mean is None else k_mean
 
 
+def _check_attn_probs(return_attn_probs) -> None:
+    """FlashAttention 2 / 3's ``return_attn_probs``: False only (the kernels never form the attention matrix)."""
+    if return_attn_probs is not False:
+        raise NotImplementedError(f"return_attn_probs: the attention probabilities are not returned; False only, "
+                                  f"got {return_attn_probs!r} (return_lse=True gives the log-sum-exp)")
+
+
 def _check_fa_keywords(dropout_p, alibi_slopes, deterministic) -> None:
     """FlashAttention's keywords that qattn takes only at their "off" values (see :func:`flash_attn_func`)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
@@ -686,6 +743,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
+    _check_dense_inputs(q, k, v)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
         _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
     if qk_quant == "none":
@@ -745,6 +803,7 @@ def flash_attn_varlen_func(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """FlashAttention's ``flash_attn_varlen_func`` with INT8 Q/K: q (total_q, num_heads, head_dim), k and v
     (total_k, num_kv_heads, head_dim), int32 ``cu_seqlens_*`` (num_seqs + 1,). Prepass
@@ -753,6 +812,7 @@ def flash_attn_varlen_func(
     in FP8 E4M3 after the varlen V prepass (``qattn.quant.v_fp8.quantize_v_fp8_varlen``: each sequence's own
     per-channel scales). ``balance_qk`` and FlashAttention's other keywords (``dropout_p``, ``window_size``, ...)
     as in :func:`flash_attn_func` (one balance per sequence)."""
+    _check_attn_probs(return_attn_probs)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -820,25 +880,17 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, lse
 
 
-def _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity: str,
-                        softcap: float, balance_qk: bool, quantized: bool) -> None:
+def _check_empty_varlen(q, k, v, granularity: str, softcap: float, balance_qk: bool, quantized: bool) -> None:
     """The checks that a varlen call whose packed totals are 0 would otherwise get from the prepass and kernel
-    launchers it skips: packed q, k, v on one CUDA device, heads and head_dim, cu_seqlens (num_seqs + 1 >= 2
-    int32 entries each), max_seqlen ints and, with int8 Q K^T (``quantized``), granularity and softcap with
-    balance_qk."""
+    launchers it skips (shapes, cu_seqlens and max_seqlens are :func:`_check_varlen_inputs`'): q, k, v on one CUDA
+    device and, with int8 Q K^T (``quantized``), granularity and softcap with balance_qk."""
     from ..quant.launch import _check_pair
 
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q, k, v: expected packed (total, heads, head_dim) tensors with k and v alike, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
-    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
-    _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     _check_pair(q, k)  # devices (CUDA), head_dim, heads
     if v.device != q.device:
         raise ValueError(f"v: expected device {q.device} (that of q), got {v.device}")
     if quantized:
-        _scale_groups(granularity, max_seqlen_q, max_seqlen_k)  # the granularity's name
+        _scale_groups(granularity, 1, 1)  # the granularity's name
         _check_softcap_balance(softcap, balance_qk, _kernel_quantizes_q(q, granularity))
 
 
@@ -849,6 +901,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included), as in flash_attn_func
         _check_sm100_options(q.device, varlen=True, pv_dtype=pv_dtype,
                              qk_quant=None if qk_quant == "none" else qk_quant)
@@ -857,8 +910,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
         _check_v(v.unsqueeze(0))  # before any launch: head_dim 64 / 128
     if q.shape[0] == 0 or k.shape[0] == 0:  # packed totals of 0: no prepass or kernel launch (they need rows)
-        _check_empty_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity, softcap,
-                            balance_qk, quantized=qk_quant != "none")
+        _check_empty_varlen(q, k, v, granularity, softcap, balance_qk, quantized=qk_quant != "none")
         return _no_keys(torch.zeros(q.shape, dtype=q.dtype, device=q.device), q.shape[1], q.shape[0])
     if qk_quant == "none":
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

@@ -94,4 +94,12 @@ def score_scale(softmax_scale: float, softcap: float) -> float:
     """The score scale every attention kernel takes (prefill and decode, SM90 and SM100): softmax_scale * log2 e
     (scores in the log2 domain of ``ex2``), or softmax_scale / softcap with a cap (the kernel's tanh argument z /
     softcap; ``common/softcap.py`` multiplies the tanh by softcap * log2 e)."""
-    return softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    scale = softmax_scale / softcap if softcap else softmax_scale * math.log2(math.e)
+    if not _FP32_TINY <= scale <= _FP32_MAX:  # the kernels take it as an fp32 (inf would give NaN outputs)
+        raise ValueError(f"softmax_scale / softcap: the score scale {scale!r} they give "
+                         f"({'softmax_scale / softcap' if softcap else 'softmax_scale * log2 e'}) is not a normal fp32")
+    return scale
+
+
+_FP32_MAX = 3.4028234663852886e38
+_FP32_TINY = 1.1754943508222875e-38

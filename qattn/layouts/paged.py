@@ -117,7 +117,7 @@ class PoolGeometry:
         return torch.zeros(shape, dtype=self.fmt.scale_storage_dtype, device=device)
 
     def check_data(self, t: torch.Tensor, name: str) -> None:
-        _check_pool(t, self.data_shape, self.fmt.data_dtype, name)
+        _check_pool(t, self.data_shape, self.fmt.data_dtype, name, align=POOL_ALIGN)
 
     def check_scales(self, t: torch.Tensor | None, name: str) -> None:
         if self.scale_shape is None:
@@ -126,7 +126,7 @@ class PoolGeometry:
             return
         if t is None:
             raise ValueError(f"{name}: format {self.fmt.name!r} needs a scale pool of shape {self.scale_shape}")
-        _check_pool(t, self.scale_shape, self.fmt.scale_storage_dtype, name)
+        _check_pool(t, self.scale_shape, self.fmt.scale_storage_dtype, name, align=POOL_ALIGN)
 
 
 def _normalize_device(device) -> torch.device:
@@ -137,7 +137,11 @@ def _normalize_device(device) -> torch.device:
     return dev
 
 
-def _check_pool(t, shape, dtype, name: str) -> None:
+POOL_ALIGN = 16  # bytes: where a data, scale, ring or sink pool given to from_tensors must start
+
+
+def _check_pool(t, shape, dtype, name: str, align: int = 1) -> None:
+    """A pool given to ``from_tensors``: dtype, shape, contiguous and (``align``) its base's byte alignment."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -147,6 +151,9 @@ def _check_pool(t, shape, dtype, name: str) -> None:
     if not t.is_contiguous():
         # Kernels address pools with the byte offsets above; a strided view would break them.
         raise ValueError(f"{name}: must be contiguous (the kernels address it by byte offset)")
+    if t.data_ptr() % align:
+        # the kernels move pool rows in 16-byte loads and stores (cp.async, st.v4)
+        raise ValueError(f"{name}: its data must start on a {align}-byte boundary, got address {t.data_ptr():#x}")
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ class RingGeometry:
         return ((seq_slot * self.num_kv_heads + head) * self.window + position % self.window) * self.head_dim * esize
 
     def check(self, t: torch.Tensor, name: str) -> None:
-        _check_pool(t, self.shape, self.dtype, name)
+        _check_pool(t, self.shape, self.dtype, name, align=POOL_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -201,7 +208,7 @@ class SinkGeometry:
         return ((seq_slot * self.num_kv_heads + head) * self.sink_tokens + position) * self.head_dim * esize
 
     def check(self, t: torch.Tensor, name: str) -> None:
-        _check_pool(t, self.shape, self.dtype, name)
+        _check_pool(t, self.shape, self.dtype, name, align=POOL_ALIGN)
 
 
 def read_sources(seq_len: int, recent_window: int, sink_tokens: int) -> tuple[range, range, range]:
@@ -292,13 +299,13 @@ class PagedKVCache:
         self.v_geometry = PoolGeometry(num_blocks, page_size, num_kv_heads, head_dim, self.v_format)
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-        if not isinstance(recent_window, int) or recent_window < 0:
+        if isinstance(recent_window, bool) or not isinstance(recent_window, int) or recent_window < 0:
             raise ValueError(f"recent_window: expected an int >= 0, got {recent_window!r}")
-        if recent_window and (not isinstance(max_seqs, int) or max_seqs <= 0):
+        if recent_window and (isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs <= 0):
             raise ValueError(f"max_seqs: a cache with recent_window={recent_window} needs max_seqs > 0")
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or not 0 <= sink_tokens <= MAX_SINK_TOKENS:
             raise ValueError(f"sink_tokens: expected an int in [0, {MAX_SINK_TOKENS}], got {sink_tokens!r}")
-        if sink_tokens and (not isinstance(max_seqs, int) or max_seqs <= 0):
+        if sink_tokens and (isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs <= 0):
             raise ValueError(f"max_seqs: a cache with sink_tokens={sink_tokens} needs max_seqs > 0 "
                              "(one sink slot per live sequence, indexed by seq_slots like the ring)")
         self.num_layers = num_layers
