@@ -360,8 +360,9 @@ class KVInsert:
                 cute.copy(vec128, mKin[None, ci, part, head, token], rKin[None, ci])
                 cute.copy(vec128, mVin[None, ci, part, head, token], rVin[None, ci])
         # A slot past the pool (unchecked without write_kv(check=True)) is skipped like -1: never out of bounds.
+        capacity = Int64(pool_rows // num_heads)  # num_blocks * page_size slots
         valid = slot >= Int64(0)
-        if slot >= Int64(pool_rows // num_heads):
+        if slot >= capacity:
             valid = False
         s32 = Int32(slot)
         blk = s32 // page_size
@@ -376,11 +377,15 @@ class KVInsert:
                 nxt = token + window
                 if nxt < num_tokens:
                     if mSlot[nxt] >= Int64(0):
-                        if mSeq[nxt] == seq:
-                            if mPos[nxt] == pos + Int64(window):
-                                ring_ok = False
-                # an out-of-range seq_slot or a negative position writes no ring row (as for the sink, below)
+                        if mSlot[nxt] < capacity:  # a token that is written (its slot inside the pool)
+                            if mSeq[nxt] == seq:
+                                if mPos[nxt] == pos + Int64(window):
+                                    ring_ok = False
+                # an out-of-range seq_slot or a negative position writes no ring row (as for the sink, below);
+                # seq < ring_rows (< 2^31) also keeps the 64-bit row product below from wrapping
                 if seq < Int64(0):
+                    ring_ok = False
+                if seq >= Int64(ring_rows):
                     ring_ok = False
                 if pos < Int64(0):
                     ring_ok = False
@@ -405,6 +410,8 @@ class KVInsert:
             if spos >= Int64(self.sink_tokens):
                 sink_ok = False
             if sseq < Int64(0):
+                sink_ok = False
+            if sseq >= Int64(sink_rows):  # (also keeps the row product below from wrapping)
                 sink_ok = False
             row64 = (sseq * Int64(num_heads) + Int64(head)) * Int64(self.sink_tokens) + spos
             if row64 >= Int64(sink_rows):

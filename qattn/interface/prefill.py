@@ -123,7 +123,9 @@ def _check_balance_input(qk_balance, quantize_q: bool, shape, dev) -> None:
 def _check_heads(D: int, Hq: int, Hkv: int, kname: str) -> None:
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim: {D} is not supported by the SM90 prefill kernel {HEAD_DIMS}")
-    if Hq < 1 or Hkv < 1 or Hq % Hkv:
+    if Hq < 1 or Hkv < 1:
+        raise ValueError(f"{kname}: num_heads ({Hq}) and num_kv_heads ({Hkv}) must be >= 1")
+    if Hq % Hkv:
         raise ValueError(f"{kname}: num_kv_heads ({Hkv}) must divide num_heads ({Hq})")
 
 
@@ -368,10 +370,10 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
 _MAX_GRID_YZ = 65535  # the kernels' grids: heads on y, sequences on z
 
 
-def _check_dense_inputs(q, k, v) -> None:
+def _check_dense_inputs(q, k, v, pv_dtype: str = "bf16") -> None:
     """``flash_attn_func``'s q, k, v shapes and sizes, before any launch (the prepass included): 4-d, k and v
-    alike with q's batch and head_dim, at least one batch, row and head, a supported head_dim and GQA ratio, and
-    no more batches or heads than a grid dimension takes."""
+    alike with q's batch and head_dim, at least one batch, row and head, a supported head_dim and GQA ratio, no
+    more batches or heads than a grid dimension takes, and sizes the kernels' 32-bit indexing takes."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"q, k, v: expected (batch, seqlen, heads, head_dim) tensors with k and v alike, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -383,9 +385,20 @@ def _check_dense_inputs(q, k, v) -> None:
     _check_heads(D, Hq, k.shape[2], "k")
     if max(B, Hq) > _MAX_GRID_YZ:
         raise ValueError(f"q: at most {_MAX_GRID_YZ} batches and heads (grid limit), got {B} and {Hq}")
+    vt_numel = B * k.shape[2] * D * -(-k.shape[1] // BLOCK_K) * BLOCK_K if pv_dtype == "fp8" else 0  # V^T
+    _check_numel(q, k, vt_numel)
 
 
-def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+def _check_numel(q, k, vt_numel: int) -> None:
+    """q and k (and with FP8 P x V the V^T the V prepass makes) within the kernels' 32-bit element indexing."""
+    if max(q.numel(), k.numel()) >= 2**31:
+        raise ValueError("q, k: too large for the kernels' 32-bit indexing; split the batch")
+    if vt_numel >= 2**31:
+        raise ValueError("v: its FP8 V^T is too large for the kernel's 32-bit indexing; split the batch")
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         pv_dtype: str = "bf16") -> int:
     """``flash_attn_varlen_func``'s packed q, k, v, cu_seqlens and max_seqlens, before any launch (packed totals
     of 0 included); returns num_seqs."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
@@ -395,10 +408,16 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
     _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
     num_seqs = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
-    _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], num_seqs)
     if max(num_seqs, q.shape[1]) > _MAX_GRID_YZ:
         raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
                          f"and {q.shape[1]}")
+    if pv_dtype == "fp8":
+        from ..quant.v_fp8 import varlen_vt_keys
+
+        _check_numel(q, k, k.shape[1] * k.shape[2] * varlen_vt_keys(k.shape[0], num_seqs))
+    else:
+        _check_numel(q, k, 0)
     return num_seqs
 
 
@@ -415,11 +434,14 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, dev) -> int:
     return num_seqs
 
 
-def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int) -> None:
-    """Each max_seqlen an int in [1, max(total, 1)]; 0 is also taken where the total is 0."""
+def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int, num_seqs: int) -> None:
+    """Each max_seqlen an int in [1, max(total, 1)] (0 is also taken where the total is 0) with num_seqs x
+    max_seqlen >= total: else some sequence is longer than max_seqlen (the grid, sized by it, would skip rows)."""
     for m, name, total in ((max_seqlen_q, "max_seqlen_q", total_q), (max_seqlen_k, "max_seqlen_k", total_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or not (0 if total == 0 else 1) <= m <= max(total, 1):
-            raise ValueError(f"{name}: expected an int in [{min(total, 1)}, {max(total, 1)}], got {m!r}")
+        if (isinstance(m, bool) or not isinstance(m, int) or not (0 if total == 0 else 1) <= m <= max(total, 1)
+                or num_seqs * m < total):
+            raise ValueError(f"{name}: expected an int in [{min(total, 1)}, {max(total, 1)}] with num_seqs "
+                             f"({num_seqs}) x {name} >= the packed total ({total}), got {m!r}")
 
 
 def _no_keys(out: torch.Tensor, Hq: int, Tq: int) -> tuple:
@@ -496,7 +518,7 @@ def prefill_int8_varlen(
             raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
     else:
         _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
-    _check_max_seqlens(max_seqlen_q, max_seqlen_k, Tq, Tk)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k, Tq, Tk, num_seqs)
     if max(num_seqs, Hq) > _MAX_GRID_YZ:
         raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
                          f"and {Hq}")
@@ -626,8 +648,8 @@ def flash_attn_func(
     FlashAttention's other keywords are accepted at the values that mean "off", so a call written for it runs
     unchanged when passed by keyword: ``dropout_p=0.0``, ``alibi_slopes=None``, ``return_attn_probs=False``;
     anything else raises NotImplementedError (no ALiBi, dropout or attention probabilities here). Everything after
-    q, k, v is keyword-only (FlashAttention's versions order their positional parameters differently). ``deterministic`` is accepted either way: every launch is deterministic (split units merge in
-    a fixed order).
+    q, k, v is keyword-only (FlashAttention's versions order their positional parameters differently).
+    ``deterministic`` is accepted either way: every launch is deterministic (split units merge in a fixed order).
     """
     _check_attn_probs(return_attn_probs)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
@@ -743,7 +765,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
-    _check_dense_inputs(q, k, v)
+    _check_dense_inputs(q, k, v, pv_dtype)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included); CPU tensors fail later, clearly
         _check_sm100_options(q.device, pv_dtype=pv_dtype, qk_quant=None if qk_quant == "none" else qk_quant)
     if qk_quant == "none":
@@ -901,7 +923,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
-    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pv_dtype)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included), as in flash_attn_func
         _check_sm100_options(q.device, varlen=True, pv_dtype=pv_dtype,
                              qk_quant=None if qk_quant == "none" else qk_quant)

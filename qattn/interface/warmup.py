@@ -33,12 +33,44 @@ def _ints(s: str | None) -> list[int] | None:
     return None if s is None else [int(x) for x in _csv(s)]
 
 
-def _filters(args) -> dict:
-    return {"kv_formats": _csv(args.kv_formats), "head_dims": _ints(args.head_dims), "gqa": _ints(args.gqa),
-            "page_sizes": _ints(args.page_sizes), "seqlen_q": _ints(args.seqlen_q),
-            "recent_windows": _ints(args.recent_windows), "sink_tokens": _ints(args.sink_tokens),
-            "q_dtypes": _csv(args.q_dtypes), "balance_qk": args.balance_qk, "sliding_window": args.sliding_window,
-            "softcaps": sorted({float(x) for x in _csv(args.softcap)}) if args.softcap else None}
+def _filters(args, error) -> dict:
+    """The variant filters of the command line, each value checked (``error``: argparse's, exits 2)."""
+    from ..cute_kernels.config_values import softcap_value
+    from ..layouts.formats import FORMAT_NAMES
+    from ..layouts.paged import MAX_SINK_TOKENS, PAGE_SIZES
+
+    def ints(flag: str, ok, what: str):
+        s = getattr(args, flag.lstrip("-").replace("-", "_"))
+        try:
+            vals = _ints(s)
+        except ValueError:
+            error(f"{flag}: expected a comma list of ints, got {s!r}")
+        bad = [x for x in vals or () if not ok(x)]
+        if bad:
+            error(f"{flag}: {bad} not {what}")
+        return vals
+
+    formats = _csv(args.kv_formats)
+    bad = [f for f in formats or () if any(n not in FORMAT_NAMES for n in f.split("+")) or f.count("+") > 1]
+    if bad:
+        error(f"--kv-formats: unknown {bad}; known: {list(FORMAT_NAMES)} (or k+v pairs of them)")
+    dtypes = _csv(args.q_dtypes)
+    if [d for d in dtypes or () if d not in ("bf16", "f16")]:
+        error(f"--q-dtypes: expected bf16 and / or f16, got {args.q_dtypes!r}")
+    softcaps = None
+    if args.softcap:
+        try:
+            softcaps = sorted({softcap_value(float(x)) for x in _csv(args.softcap)})
+        except ValueError:
+            error(f"--softcap: expected a comma list of finite numbers >= 0, got {args.softcap!r}")
+    return {"kv_formats": formats, "head_dims": ints("--head-dims", lambda x: x > 0, "> 0"),
+            "gqa": ints("--gqa", lambda x: x >= 1, ">= 1"),
+            "page_sizes": ints("--page-sizes", lambda x: x in PAGE_SIZES, f"in {PAGE_SIZES}"),
+            "seqlen_q": ints("--seqlen-q", lambda x: 1 <= x <= 16, "in [1, 16]"),
+            "recent_windows": ints("--recent-windows", lambda x: x >= 0, ">= 0"),
+            "sink_tokens": ints("--sink-tokens", lambda x: 0 <= x <= MAX_SINK_TOKENS, f"in [0, {MAX_SINK_TOKENS}]"),
+            "q_dtypes": dtypes, "balance_qk": args.balance_qk, "sliding_window": args.sliding_window,
+            "softcaps": softcaps}
 
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):
@@ -99,9 +131,14 @@ def main(argv=None) -> int:
     unknown = [k for k in wanted if k not in kinds()]
     if unknown:
         p.error(f"--kernels: unknown {unknown}; known: {kinds()}")
-    filters = _filters(args)
-    jobs = [(k, a, i, v) for a in arches for k in wanted
-            for i, v in enumerate(enumerate_variants(k, a, **filters))]
+    if args.jobs < 1:
+        p.error(f"--jobs: expected an int >= 1, got {args.jobs}")
+    filters = _filters(args, p.error)
+    try:
+        jobs = [(k, a, i, v) for a in arches for k in wanted
+                for i, v in enumerate(enumerate_variants(k, a, **filters))]
+    except ValueError as e:  # a filter value a kernel kind cannot take (e.g. its head_dim)
+        p.error(f"no variants for these filters: {e}")
     if args.list or args.dry_run:
         for k, a, _, v in jobs:
             print(f"{a:8} {k:14} {v.label}")

@@ -525,6 +525,9 @@ class PagedKVCache:
                 raise ValueError("calibrate: the (transformed) rows contain NaN or Inf")
             g = (amax * float(headroom) / (6.0 * 448.0)).clamp(min=2.0**-116)
             g = torch.where(amax > 0, g, torch.ones_like(g)).to(torch.float32)
+            if not bool(torch.isfinite(g).all()):  # a huge headroom: the scale itself would be inf
+                raise ValueError(f"headroom: {headroom!r} makes a global scale past fp32 "
+                                 f"(amax {float(amax.max()):.3g})")
             gs.copy_(g)
             out.append(gs)
         return out[0], out[1]

@@ -92,11 +92,15 @@ def _check_cu(cu, name: str, device) -> None:
         raise ValueError(f"{name}: expected device {device}, got {cu.device}")
 
 
-def _check_max_seqlen(v, name: str) -> int:
+def _check_max_seqlen(v, name: str, total: int, num_seqs: int) -> int:
+    """A varlen prepass's max_seqlen against what the host knows without reading cu_seqlens: an int >= 0 with
+    num_seqs * max_seqlen >= total (else some sequence is longer than it, and the grid, sized by it, would leave
+    rows unwritten). Larger than every sequence is fine (whole padding groups, scale 0)."""
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < 0:
-        raise ValueError(f"{name}: must be >= 0, got {v}")
+    if v < 0 or num_seqs * v < total:
+        raise ValueError(f"{name}: expected an int >= 0 with num_seqs ({num_seqs}) x {name} >= the packed total "
+                         f"({total}), got {v}")
     return v
 
 
@@ -413,8 +417,8 @@ def quantize_qk_int8_varlen(
     n = cu_seqlens_q.shape[0] - 1
     if cu_seqlens_k.shape[0] - 1 != n:
         raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q has {n}")
-    Sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    Sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", q.shape[0], n)
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", k.shape[0], n)
     D, Hq, Hkv = q.shape[2], q.shape[1], k.shape[1]
     _check_group_sizes(D, granularity, block_q, warp_q, block_k)
     if n > _MAX_GRID_YZ:
@@ -492,8 +496,10 @@ def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seql
         _check_cu(cu_seqlens_q, "cu_seqlens_q", k.device)
         if cu_seqlens_q.shape[0] - 1 != n:
             raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.shape[0] - 1} sequences, cu_seqlens_k has {n}")
-        max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+        max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", balance_q.shape[0], n)
+        if max(balance_q.shape[0], max_seqlen_q) > _MAX_I32 // 2:
+            raise ValueError("balance_q: total rows or max_seqlen_q exceed the kernels' 32-bit row indexing")
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", k.shape[0], n)
     Hkv, D = k.shape[1], k.shape[2]
     _check_k_only(k, block_k)
     if n > _MAX_GRID_YZ:

@@ -391,8 +391,8 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True, sca
     fmt.check_head_dim(x.shape[-1], "x.shape[-1]")
     lead, D = tuple(x.shape[:-1]), x.shape[-1]
     g = _global_scale(global_scale, fmt, lead, x.device, check)
-    if check and x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError("x: contains NaN or Inf")
+    if check and x.numel() and not bool(torch.isfinite(x.float()).all()):  # what is quantized: x in fp32
+        raise ValueError("x: contains NaN or Inf (in fp32)")
 
     if scale_search is not None:
         if scale_search not in SCALE_SEARCHES:

@@ -288,6 +288,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Te
     rd, half = rope.rotary_dim, rope.rotary_dim // 2
     if x.dim() != 3 or rd > x.shape[-1]:
         raise ValueError(f"rope: rotary_dim {rd} does not fit x of shape {tuple(x.shape)} (tokens, heads, head_dim)")
+    if (not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64)
+            or tuple(positions.shape) != (x.shape[0],)):
+        got = (f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor)
+               else type(positions).__name__)
+        raise ValueError(f"positions: expected an int32 / int64 tensor of shape ({x.shape[0]},) (one per token), got "
+                         f"{got}")
     pos = positions.long()
     if pos.numel() and bool(((pos < 0) | (pos >= rope.max_position)).any()):
         raise ValueError(f"positions: values must be in [0, {rope.max_position}) (the RoPE table's rows)")
@@ -318,7 +324,12 @@ def transform_kv(k: torch.Tensor, v: torch.Tensor, *, positions: Optional[torch.
         if positions is None:
             raise ValueError("positions: RoPE needs each token's position")
         x = apply_rope(x, positions, rope)
+    if rope is None and positions is not None:
+        raise ValueError("positions: only used with rope (RoPE's rows); pass rope, or no positions")
     if k_mean is not None:
+        if not isinstance(k_mean, torch.Tensor) or tuple(k_mean.shape) != tuple(x.shape[1:]):
+            raise ValueError(f"k_mean: expected shape {tuple(x.shape[1:])} (num_kv_heads, head_dim), got "
+                             f"{tuple(k_mean.shape) if isinstance(k_mean, torch.Tensor) else type(k_mean).__name__}")
         x = x - k_mean.to(device=x.device, dtype=torch.float32)
     y = v.float()
     if rotation_signs is not None:

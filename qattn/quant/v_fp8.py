@@ -90,8 +90,11 @@ def _check_v(v) -> None:
 
 def quantize_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact reference of the V prepass (module docstring): returns ``(vt, v_scale)``, ``vt`` float8_e4m3fn
-    (B, Hkv, D, Sk_pad) with tokens permuted within groups of 32, ``v_scale`` fp32 (B, Hkv, D)."""
+    (B, Hkv, D, Sk_pad) with tokens permuted within groups of 32, ``v_scale`` fp32 (B, Hkv, D). V must be finite
+    (a ValueError here; the GPU prepass, which cannot check without a sync, gives undefined codes for NaN / Inf)."""
     _check_v(v)
+    if v.numel() and not bool(torch.isfinite(v).all()):
+        raise ValueError("v: contains NaN or Inf")
     B, Sk, H, D = v.shape
     x = v.float().permute(0, 2, 3, 1)  # B H D Sk, exact
     amax = x.abs().amax(dim=-1) if Sk else torch.zeros(B, H, D, device=v.device)
@@ -114,7 +117,9 @@ def quantize_v_fp8_varlen_reference(v: torch.Tensor, cu_seqlens_k: torch.Tensor)
                          f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
     _check_v(v.unsqueeze(0))
     total, H, D = v.shape
-    cu = [int(x) for x in cu_seqlens_k.tolist()]
+    from .qk_int8 import _check_cu_seqlens
+
+    cu = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total, total, "max_seqlen_k")  # int32, 0 .. total, sorted
     offsets = varlen_vt_offsets(cu_seqlens_k).tolist()
     vt = torch.zeros(H, D, varlen_vt_keys(total, len(cu) - 1), dtype=torch.uint8, device=v.device)
     scales = []
@@ -130,7 +135,16 @@ def dequantize_v_fp8_reference(vt: torch.Tensor, v_scale: torch.Tensor, seqlen_k
                                scaled: bool = True) -> torch.Tensor:
     """(B, seqlen_k, Hkv, D) fp32 values of ``vt`` in token order: ``v_scale * e4m3`` (``scaled``) or the bare
     E4M3 values (what the tensor core multiplies)."""
+    if not isinstance(vt, torch.Tensor) or vt.dim() != 4 or vt.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError("vt: expected the dense V prepass's V^T, float8_e4m3fn (batch, num_kv_heads, head_dim, "
+                         "padded seqlen_k)")
     B, H, D, sk_pad = vt.shape
+    if sk_pad % 32 or isinstance(seqlen_k, bool) or not isinstance(seqlen_k, int) or not 0 <= seqlen_k <= sk_pad:
+        raise ValueError(f"seqlen_k: expected an int in [0, {sk_pad}] (vt's padded keys, a multiple of 32), got "
+                         f"{seqlen_k!r}")
+    if scaled and (not isinstance(v_scale, torch.Tensor) or tuple(v_scale.shape) != (B, H, D)):
+        raise ValueError(f"v_scale: expected shape {(B, H, D)}, got "
+                         f"{tuple(v_scale.shape) if isinstance(v_scale, torch.Tensor) else type(v_scale).__name__}")
     codes = vt.view(torch.uint8).reshape(B, H, D, sk_pad // 32, 32)
     inv_perm = torch.argsort(key_permutation(vt.device))
     codes = codes[..., inv_perm].reshape(B, H, D, sk_pad)[..., :seqlen_k]
@@ -162,7 +176,8 @@ def _v_kernels(arch: str, head_dim: int, in_bf16: bool, varlen: bool = False):
 
 def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The V prepass on the GPU (:mod:`qattn.cute_kernels.sm90.v_fp8_quant`, two or three launches on the
-    current stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte.
+    current stream, no host sync): ``(vt, v_scale)`` equal to :func:`quantize_v_fp8_reference` byte for byte on
+    finite V (NaN / Inf are not checked: no sync; their codes are undefined).
 
     ``v`` (B, Sk, Hkv, D) bf16/fp16, head_dim 64 or 128, last dimension contiguous (other strides are used as
     they are when 16-byte aligned, otherwise ``v`` is copied). ``_pdl`` (``flash_attn_func`` only): the kernel
@@ -216,9 +231,9 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
         raise ValueError(f"v: expected a CUDA tensor, got device {v.device} (use quantize_v_fp8_varlen_reference "
                          "on the CPU)")
     _check_cu(cu_seqlens_k, "cu_seqlens_k", v.device)
-    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     total, H, D = v.shape
     n = cu_seqlens_k.shape[0] - 1
+    Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", total, n)
     if max(n, H) > 65535:
         raise ValueError("v: at most 65535 sequences / kv heads (grid limit)")
     dev = v.device

@@ -374,16 +374,17 @@ def out_of_range_insert_case(fmt: str = "nvfp4"):
                                                            lay.v_scale_pool, lay.k_ring, lay.v_ring)]
               for lay in cache._layers]
     cap = nb * page
-    k, v = _inputs(6, H, D, gen)
-    slots = torch.tensor([0, cap, cap + 7, 2**31 + 3, 5, 6])
-    seqs = torch.tensor([0, 0, 0, 0, 2, 1])  # token 4: seq_slot 2 of max_seqs 2
-    pos = torch.tensor([0, 1, 2, 3, 4, -2])  # token 5: a negative position
+    k, v = _inputs(7, H, D, gen)
+    slots = torch.tensor([0, cap, cap + 7, 2**31 + 3, 5, 6, 7])
+    # token 4: seq_slot 2 of max_seqs 2; token 6: one whose 64-bit ring row product wraps negative
+    seqs = torch.tensor([0, 0, 0, 0, 2, 1, 2**60 - 1])  # (2^60 - 1) * H 2 * W 8 = 2^64 - 16
+    pos = torch.tensor([0, 1, 2, 3, 4, -2, 5])  # token 5: a negative position
     # the pools as a ringless cache of the same pools gets them from the reference, bad slots skipped
     lay = cache.layer(0)
     twin = PagedKVCache.from_tensors([KVLayer(*(None if t is None else t.cpu().clone() for t in (
         lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_global_scale, lay.v_global_scale)))],
         page, D, fmt)
-    write_kv_reference(twin, 0, k.cpu(), v.cpu(), torch.tensor([0, -1, -1, -1, 5, 6]))
+    write_kv_reference(twin, 0, k.cpu(), v.cpu(), torch.tensor([0, -1, -1, -1, 5, 6, 7]))
     qattn.write_kv(cache, 0, k, v, slots.cuda(), seq_slots=seqs.cuda(), positions=pos.cuda())
     torch.cuda.synchronize()
     return cache, before, k, v, twin

@@ -280,20 +280,38 @@ def test_prefill_fake_shapes():
         assert out.shape == qv.shape and lse.shape == (8, 700)
 
 
-@pytest.mark.parametrize("mq,mk,tq,tk,ok", [(1, 1, 5, 7, True), (5, 7, 5, 7, True), (0, 3, 0, 3, True),
-                                            (1, 0, 4, 0, True), (0, 0, 0, 0, True), (1, 1, 0, 0, True),
-                                            (0, 1, 4, 7, False), (6, 1, 5, 7, False), (1, 2, 4, 0, False),
-                                            (True, 1, 4, 7, False), (1.0, 1, 4, 7, False)])
-def test_varlen_max_seqlens(mq, mk, tq, tk, ok):
+@pytest.mark.parametrize("mq,mk,tq,tk,ns,ok", [(1, 1, 5, 7, 8, True), (5, 7, 5, 7, 8, True), (0, 3, 0, 3, 8, True),
+                                               (1, 0, 4, 0, 8, True), (0, 0, 0, 0, 8, True), (1, 1, 0, 0, 8, True),
+                                               (3, 4, 5, 7, 2, True), (0, 1, 4, 7, 8, False), (6, 1, 5, 7, 8, False),
+                                               (1, 2, 4, 0, 8, False), (True, 1, 4, 7, 8, False),
+                                               (1.0, 1, 4, 7, 8, False), (2, 4, 5, 7, 2, False),
+                                               (3, 3, 5, 7, 2, False)])
+def test_varlen_max_seqlens(mq, mk, tq, tk, ns, ok):
     """Each max_seqlen an int in [1, total]; 0 is taken only where the packed total is 0 (such a call launches
-    nothing: out 0, LSE -inf, tests/gpu/test_prefill_gpu.py::test_varlen_packed_totals_zero)."""
+    nothing: out 0, LSE -inf, tests/gpu/test_prefill_gpu.py::test_varlen_packed_totals_zero); num_seqs x
+    max_seqlen must reach the total (else a sequence is longer than max_seqlen)."""
     from qattn.interface.prefill import _check_max_seqlens
 
     if ok:
-        _check_max_seqlens(mq, mk, tq, tk)
+        _check_max_seqlens(mq, mk, tq, tk, ns)
     else:
         with pytest.raises(ValueError, match="max_seqlen"):
-            _check_max_seqlens(mq, mk, tq, tk)
+            _check_max_seqlens(mq, mk, tq, tk, ns)
+
+
+@pytest.mark.parametrize("m,total,ns,ok", [(0, 0, 2, True), (5, 9, 2, True), (500, 9, 2, True), (4, 9, 2, False),
+                                           (0, 3, 4, False), (-1, 0, 1, False), (True, 1, 1, False),
+                                           (2.0, 1, 1, False)])
+def test_prepass_max_seqlen(m, total, ns, ok):
+    """The varlen prepasses take a max_seqlen past every sequence (padding groups) but not one that some
+    sequence must exceed (num_seqs x max_seqlen < total: rows the grid would never reach)."""
+    from qattn.quant.launch import _check_max_seqlen
+
+    if ok:
+        assert _check_max_seqlen(m, "max_seqlen_k", total, ns) == m
+    else:
+        with pytest.raises((TypeError, ValueError), match="max_seqlen_k"):
+            _check_max_seqlen(m, "max_seqlen_k", total, ns)
 
 
 def test_varlen_totals_zero_still_checked():

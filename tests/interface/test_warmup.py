@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,22 @@ def test_list_dry_run_and_errors(tmp_path, capsys):
         warmup.main(["--arch", "sm_80"])
     with pytest.raises(SystemExit):
         warmup.main(["--arch", "sm_90a", "--kernels", "nope"])
+
+
+@pytest.mark.parametrize("args,err", [
+    (["--head-dims", "64,abc"], "--head-dims: expected a comma list of ints"),
+    (["--gqa", "0"], "--gqa"), (["--page-sizes", "7"], "--page-sizes"), (["--seqlen-q", "0"], "--seqlen-q"),
+    (["--recent-windows", "-1"], "--recent-windows"), (["--sink-tokens", "999"], "--sink-tokens"),
+    (["--softcap", "nan"], "--softcap"), (["--softcap", "abc"], "--softcap"), (["--q-dtypes", "fp32"], "--q-dtypes"),
+    (["--kv-formats", "nvfp4,nvfp5"], "unknown \\['nvfp5'\\]"), (["--jobs", "-3"], "--jobs"),
+    (["--kernels", "kv_insert", "--head-dims", "96"], "not supported by the insert kernel"),
+])
+def test_bad_filter_values_are_argparse_errors(capsys, args, err):
+    """A bad value is a usage error naming its flag (exit 2), not a traceback from inside an enumerator."""
+    with pytest.raises(SystemExit) as e:
+        warmup.main(["--arch", "sm_90a", "--list", *args])
+    assert e.value.code == 2
+    assert re.search(err, capsys.readouterr().err)
 
 
 def test_failing_variant_exits_nonzero(tmp_path, monkeypatch, capsys):

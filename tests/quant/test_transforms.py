@@ -168,3 +168,41 @@ def test_dense_rotation_matches_the_butterflies():
         assert unrotate_output_dense(q, r, out) is out
         assert torch.allclose(out, unrotate_output(q, s), rtol=0, atol=1e-5)
         assert torch.allclose(unrotate_output_dense(rotate_query_dense(q, r), r), q, atol=1e-5)
+
+
+def test_transform_kv_checks_positions_and_k_mean():
+    """positions one int per token (a single one was broadcast to every token), only with rope; k_mean
+    (num_kv_heads, head_dim) as write_kv takes it (other shapes were broadcast)."""
+    from qattn.quant.transforms import RoPE, transform_kv
+
+    k = torch.randn(5, 2, 64)
+    rope = RoPE.from_theta(10000.0, 64, 32, "neox")
+    transform_kv(k, k, positions=torch.arange(5), rope=rope, k_mean=torch.zeros(2, 64))
+    for pos in (torch.tensor([3]), torch.arange(5).float(), torch.arange(10).view(5, 2), [0, 1, 2, 3, 4]):
+        with pytest.raises(ValueError, match="positions"):
+            transform_kv(k, k, positions=pos, rope=rope)
+    with pytest.raises(ValueError, match="only used with rope"):
+        transform_kv(k, k, positions=torch.arange(5))
+    for km in (torch.zeros(64), torch.zeros(1), torch.zeros(2, 1), torch.zeros(5, 2, 64)):
+        with pytest.raises(ValueError, match="k_mean"):
+            transform_kv(k, k, k_mean=km)
+
+
+def test_calibrate_rejects_a_headroom_past_fp32():
+    import qattn
+
+    cache = qattn.PagedKVCache(1, 4, 16, 2, 64, "nvfp4")
+    k = torch.randn(8, 2, 64)
+    cache.calibrate(0, k, k)
+    with pytest.raises(ValueError, match="headroom"):
+        cache.calibrate(0, k, k, headroom=1e300)
+
+
+def test_quantize_check_sees_fp64_values_past_fp32():
+    from qattn.quant.reference import quantize
+
+    x = torch.randn(2, 64, dtype=torch.float64)
+    x[0, 3] = 1e39  # finite in fp64, inf once rounded to the fp32 that is quantized
+    for fmt in ("fp8", "int8"):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            quantize(x, fmt, check=True)

@@ -166,3 +166,30 @@ def test_varlen_reference_is_each_sequence_dense_reference_at_its_offset():
         covered[o:o + t.shape[-1]] = True
     assert (raw[:, :, ~covered] == 0).all()  # zeros between the regions (the kernel leaves them unwritten)
     assert vs[2].eq(0).all()  # an empty sequence: all-zero scales
+
+
+def test_reference_inputs_checked():
+    """The references reject what would silently give wrong layouts: NaN V (the GPU prepass cannot check it),
+    cu_seqlens that do not cover V in order, and a seqlen_k / v_scale that do not fit vt."""
+    from qattn.quant.v_fp8 import (dequantize_v_fp8_reference, quantize_v_fp8_reference,
+                                   quantize_v_fp8_varlen_reference)
+
+    v = torch.randn(1, 100, 2, 64, dtype=torch.bfloat16)
+    bad = v.clone()
+    bad[0, 3, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_v_fp8_reference(bad)
+    for cu in ([5, 100], [0, 80], [0, 200], [0, 60, 40, 100]):
+        with pytest.raises(ValueError, match="cu_seqlens_k"):
+            quantize_v_fp8_varlen_reference(v[0], torch.tensor(cu, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_k"):
+        quantize_v_fp8_varlen_reference(v[0], torch.tensor([0, 100]))  # int64
+    vt, vs = quantize_v_fp8_reference(v)
+    assert torch.equal(dequantize_v_fp8_reference(vt, vs, 100)[0, :100], dequantize_v_fp8_reference(vt, vs, 100)[0])
+    for sk in (-5, 129, 100.0):
+        with pytest.raises(ValueError, match="seqlen_k"):
+            dequantize_v_fp8_reference(vt, vs, sk)
+    with pytest.raises(ValueError, match="v_scale"):
+        dequantize_v_fp8_reference(vt, vs[0], 100)
+    with pytest.raises(ValueError, match="vt"):
+        dequantize_v_fp8_reference(vt[0], vs, 100)
