@@ -324,8 +324,6 @@ def transform_kv(k: torch.Tensor, v: torch.Tensor, *, positions: Optional[torch.
         if positions is None:
             raise ValueError("positions: RoPE needs each token's position")
         x = apply_rope(x, positions, rope)
-    if rope is None and positions is not None:
-        raise ValueError("positions: only used with rope (RoPE's rows); pass rope, or no positions")
     if k_mean is not None:
         if not isinstance(k_mean, torch.Tensor) or tuple(k_mean.shape) != tuple(x.shape[1:]):
             raise ValueError(f"k_mean: expected shape {tuple(x.shape[1:])} (num_kv_heads, head_dim), got "
