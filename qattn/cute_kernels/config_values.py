@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["softcap_value"]
+__all__ = ["softcap_value", "softmax_scale_value"]
+
+
+def softmax_scale_value(softmax_scale, head_dim: int) -> float:
+    """FlashAttention's ``softmax_scale`` (prefill and decode entry points): None is 1 / sqrt(head_dim), else a
+    finite positive float; anything else a ValueError."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
+    return softmax_scale
 
 
 def softcap_value(softcap) -> float:

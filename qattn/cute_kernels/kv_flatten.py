@@ -249,8 +249,7 @@ def flatten_kv(cache, layer: int, block_table, cache_seqlens, max_seqlen=None):
         raise ValueError(f"max_seqlen: {max_seqlen} is shorter than the longest sequence ({longest})")
     max_len = longest if max_seqlen is None else max_seqlen
     # the kernel indexes rows (batch x max_len x heads) and the pools in 32-bit words
-    if B * max_len * H * D // 2 >= 2**31 or cache.num_blocks * H * cache.page_size * max(
-            cache.k_geometry.row_bytes, cache.v_geometry.row_bytes) // 4 >= 2**31:
+    if B * max_len * H * D // 2 >= 2**31 or max(cache.k_geometry.data_words, cache.v_geometry.data_words) >= 2**31:
         raise ValueError("flatten_kv: the output (batch x max_seqlen) or a pool exceeds the kernel's 32-bit "
                          "indexing; flatten fewer sequences at a time")
     k_out = torch.empty((B, max_len, H, D), dtype=torch.bfloat16, device=dev)

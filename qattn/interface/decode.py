@@ -8,7 +8,6 @@ case raises a ``ValueError`` / ``TypeError`` naming the argument.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -19,7 +18,7 @@ from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .variants import cache_for, kernel_arch
-from .window import resolve_window, score_scale, softcap_value as _softcap, window_ints
+from .window import resolve_window, score_scale, softcap_value as _softcap, softmax_scale_value, window_ints
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -225,11 +224,7 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"block_table: expected shape ({B}, max_blocks >= 1), got {tuple(block_table.shape)}")
     if block_table.device != q.device:
         raise ValueError(f"block_table: expected device {q.device}, got {block_table.device}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-            or not 0 < softmax_scale < math.inf):
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
+    softmax_scale = softmax_scale_value(softmax_scale, D)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     max_len = block_table.shape[1] * cache.page_size  # a sequence's keys fit its row of the block table

@@ -104,9 +104,8 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
     if capacity * H > _MAX_I32 or n * H * D > _MAX_I32:
         raise ValueError("write_kv: the pools or the inputs exceed the kernel's 32-bit indexing; split the cache "
                          "into more layers' worth of smaller pools or the call into smaller chunks")
-    for g in (cache.k_geometry, cache.v_geometry):
-        if g.num_blocks * H * g.page_size * g.row_bytes // 4 > _MAX_I32:
-            raise ValueError("write_kv: a data pool exceeds 2^31 32-bit words (kernel indexing)")
+    if max(cache.k_geometry.data_words, cache.v_geometry.data_words) > _MAX_I32:
+        raise ValueError("write_kv: a data pool exceeds 2^31 32-bit words (kernel indexing)")
     ring = bool(cache.recent_window)
     sink = cache.sink_tokens
     if ring or sink:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -25,7 +24,7 @@ from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_hand
 from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
 from .window import (FULL, Window, resolve_window, score_scale, softcap_value as _softcap,
-                     window_ints as _window_ints)
+                     softmax_scale_value as _softmax_scale_value, window_ints as _window_ints)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "prefill_int8", "prefill_int8_varlen",
@@ -135,15 +134,6 @@ def _scale_groups(granularity: str, seqlen_q: int, seqlen_k: int) -> tuple[int, 
         raise ValueError(f"granularity: expected 'per_warp' or 'per_block', got {granularity!r}")
     n_qb = -(-seqlen_q // BLOCK_Q)
     return (n_qb * (BLOCK_Q // WARP_Q) if granularity == "per_warp" else n_qb), -(-seqlen_k // BLOCK_K)
-
-
-def _softmax_scale(softmax_scale, D: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(D)
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-            or not 0 < softmax_scale < math.inf):
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
-    return softmax_scale
 
 
 def _out(out, dtype, shape, dev) -> torch.Tensor:
@@ -297,22 +287,18 @@ def prefill_int8(
         sk_pad = -(-Sk // BLOCK_K) * BLOCK_K
         _check(v, "v", torch.float8_e4m3fn, (B, Hkv, D, sk_pad), dev)
         _check(v_scale, "v_scale", torch.float32, (B, Hkv, D), dev)
-        if v.numel() >= 2**31:
-            raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
     else:
         _check(v, "v", v.dtype, (B, Sk, Hkv, D), dev)
     if B < 1 or Sq < 1 or Sk < 1:
         raise ValueError(f"q_int8: batch ({B}), seqlen_q ({Sq}) and seqlen_k ({Sk}) must be >= 1")
-    if max(B, Hq) > _MAX_GRID_YZ:
-        raise ValueError(f"q_int8: at most {_MAX_GRID_YZ} batches and heads (grid limit), got {B} and {Hq}")
+    _check_grid(B, Hq, "q_int8")
     n_qg, n_kb = _scale_groups(granularity, Sq, Sk)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (B, Hq, n_qg), dev)
     _check_balance_input(qk_balance, quantize_q, (B, Hkv, D), dev)
     _check(k_scale, "k_scale", torch.float32, (B, Hkv, n_kb), dev)
-    if max(q_int8.numel(), k_int8.numel()) >= 2**31:
-        raise ValueError("q_int8: too large for the kernel's 32-bit indexing; split the batch")
-    softmax_scale = _softmax_scale(softmax_scale, D)
+    _check_numel(q_int8, k_int8, v.numel() if fp8 else 0)
+    softmax_scale = _softmax_scale_value(softmax_scale, D)
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (B, Sq, Hq, D), dev)
@@ -370,6 +356,12 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
 _MAX_GRID_YZ = 65535  # the kernels' grids: heads on y, sequences on z
 
 
+def _check_grid(num_seqs: int, num_heads: int, name: str) -> None:
+    if max(num_seqs, num_heads) > _MAX_GRID_YZ:
+        raise ValueError(f"{name}: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} and "
+                         f"{num_heads}")
+
+
 def _check_dense_inputs(q, k, v, pv_dtype: str = "bf16") -> None:
     """``flash_attn_func``'s q, k, v shapes and sizes, before any launch (the prepass included): 4-d, k and v
     alike with q's batch and head_dim, at least one batch, row and head, a supported head_dim and GQA ratio, no
@@ -383,8 +375,7 @@ def _check_dense_inputs(q, k, v, pv_dtype: str = "bf16") -> None:
     if B < 1 or Sq < 1 or k.shape[1] < 1:
         raise ValueError(f"q, k: batch ({B}), seqlen_q ({Sq}) and seqlen_k ({k.shape[1]}) must be >= 1")
     _check_heads(D, Hq, k.shape[2], "k")
-    if max(B, Hq) > _MAX_GRID_YZ:
-        raise ValueError(f"q: at most {_MAX_GRID_YZ} batches and heads (grid limit), got {B} and {Hq}")
+    _check_grid(B, Hq, "q")
     vt_numel = B * k.shape[2] * D * -(-k.shape[1] // BLOCK_K) * BLOCK_K if pv_dtype == "fp8" else 0  # V^T
     _check_numel(q, k, vt_numel)
 
@@ -409,15 +400,11 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     _check_heads(q.shape[2], q.shape[1], k.shape[1], "k")
     num_seqs = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], num_seqs)
-    if max(num_seqs, q.shape[1]) > _MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
-                         f"and {q.shape[1]}")
-    if pv_dtype == "fp8":
-        from ..quant.v_fp8 import varlen_vt_keys
+    _check_grid(num_seqs, q.shape[1], "cu_seqlens_q")
+    from ..quant.v_fp8 import varlen_vt_keys
 
-        _check_numel(q, k, k.shape[1] * k.shape[2] * varlen_vt_keys(k.shape[0], num_seqs))
-    else:
-        _check_numel(q, k, 0)
+    vt_numel = k.shape[1] * k.shape[2] * varlen_vt_keys(k.shape[0], num_seqs) if pv_dtype == "fp8" else 0  # V^T
+    _check_numel(q, k, vt_numel)
     return num_seqs
 
 
@@ -514,22 +501,17 @@ def prefill_int8_varlen(
 
         _check(v, "v", torch.float8_e4m3fn, (Hkv, D, varlen_vt_keys(Tk, num_seqs)), dev)
         _check(v_scale, "v_scale", torch.float32, (num_seqs, Hkv, D), dev)
-        if v.numel() >= 2**31:
-            raise ValueError("v: too large for the kernel's 32-bit indexing; split the batch")
     else:
         _check(v, "v", v.dtype, (Tk, Hkv, D), dev)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k, Tq, Tk, num_seqs)
-    if max(num_seqs, Hq) > _MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} "
-                         f"and {Hq}")
+    _check_grid(num_seqs, Hq, "cu_seqlens_q")
     n_qg, n_kb = _scale_groups(granularity, max_seqlen_q, max_seqlen_k)
     if not quantize_q:
         _check(q_scale, "q_scale", torch.float32, (num_seqs, Hq, n_qg), dev)
     _check_balance_input(qk_balance, quantize_q, (num_seqs, Hkv, D), dev)
     _check(k_scale, "k_scale", torch.float32, (num_seqs, Hkv, n_kb), dev)
-    if max(q_int8.numel(), k_int8.numel()) >= 2**31:
-        raise ValueError("q_int8: too large for the kernel's 32-bit indexing")
-    softmax_scale = _softmax_scale(softmax_scale, D)
+    _check_numel(q_int8, k_int8, v.numel() if fp8 else 0)
+    softmax_scale = _softmax_scale_value(softmax_scale, D)
     if not q_int8.is_cuda:
         raise ValueError(f"q_int8: expected a CUDA tensor, got device {q_int8.device}")
     out = _out(out, out_dtype, (Tq, Hq, D), dev)
@@ -563,18 +545,10 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
                    window_size=(-1, -1), softcap: float = 0.0):
     """The unquantized A/B path of the same kernel (``qk_quant=None``): Q, K, V in one 16-bit dtype, fp32 scores.
     Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
-    varlen = cu_q is not None
-    if q.dim() != (3 if varlen else 4) or k.dim() != q.dim() or v.shape != k.shape:
-        raise ValueError(f"q, k, v: expected {'packed (total, heads, head_dim)' if varlen else '(batch, seqlen, heads, head_dim)'}"
-                         f" tensors with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    varlen = cu_q is not None  # shapes, heads and sizes: _check_dense_inputs / _check_varlen_inputs (the callers)
     D, Hq, Hkv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if k.shape[-1] != D:
-        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's {D}")
-    _check_heads(D, Hq, Hkv, "k")
     if not q.is_cuda or k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
-    if max(q.numel(), k.numel()) >= 2**31:
-        raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
     window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
                             max_seqlen_k if varlen else k.shape[1])
@@ -589,8 +563,6 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
                 k.shape[0], max_seqlen_q, Hq, Hkv, 0, 0, softmax_scale, None, None, window)
     else:
         B, Sq = q.shape[:2]
-        if k.shape[0] != B:
-            raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
         _launch(cfg, q, k, v, out, lse, None, None, None, None, B, B, Sq, k.shape[1], Sq, Hq, Hkv, 0, 0,
                 softmax_scale, None, None, window)
@@ -688,7 +660,7 @@ def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropo
     _check_balance(balance_qk, qk_quant)
     _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
-    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    softmax_scale = _softmax_scale_value(softmax_scale, q.shape[-1])
     score_scale(softmax_scale, softcap)  # the kernels' fp32 score scale, checked before any launch
     return window, softmax_scale, softcap
 
@@ -781,8 +753,6 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
-        if k.shape[0] != q.shape[0]:
-            raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
         k8, ks, k_mean, *lam = quantize_k_int8(k, smooth_k=smooth_k, block_k=BLOCK_K,
                                                balance_q=q if balance_qk else None)
         lam = lam[0] if lam else None

@@ -11,10 +11,10 @@ import functools
 import math
 from typing import NamedTuple
 
-from ..cute_kernels.config_values import softcap_value  # noqa: F401 (re-exported: the entry points' check)
+from ..cute_kernels.config_values import softcap_value, softmax_scale_value  # noqa: F401 (the entry points' checks)
 
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
-           "kernel_edges", "softcap_value", "score_scale"]
+           "kernel_edges", "softcap_value", "softmax_scale_value", "score_scale"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30

@@ -66,6 +66,11 @@ class PoolGeometry:
         return self.fmt.payload_bytes(self.head_dim)
 
     @property
+    def data_words(self) -> int:
+        """The data pool's size in 32-bit words (the insert and flatten kernels index it with int32)."""
+        return self.num_blocks * self.num_kv_heads * self.page_size * self.row_bytes // 4
+
+    @property
     def data_shape(self) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.num_kv_heads, self.page_size, self.row_elems)
 

@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from .qk_int8 import _check_cu_seqlens
 from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
 
 __all__ = ["V_TILE", "VT_ALIGN", "VT_SEQ_GAP", "key_permutation", "quantize_v_fp8_reference", "dequantize_v_fp8_reference",
@@ -117,8 +118,6 @@ def quantize_v_fp8_varlen_reference(v: torch.Tensor, cu_seqlens_k: torch.Tensor)
                          f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
     _check_v(v.unsqueeze(0))
     total, H, D = v.shape
-    from .qk_int8 import _check_cu_seqlens
-
     cu = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total, total, "max_seqlen_k")  # int32, 0 .. total, sorted
     offsets = varlen_vt_offsets(cu_seqlens_k).tolist()
     vt = torch.zeros(H, D, varlen_vt_keys(total, len(cu) - 1), dtype=torch.uint8, device=v.device)

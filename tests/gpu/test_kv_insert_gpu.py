@@ -357,22 +357,22 @@ def test_sink_check_mode_and_out_of_range_values():
     assert torch.equal(lay.v_sink.view(torch.int16), before[1].view(torch.int16))
 
 
+def _pools(lay):
+    """A layer's data and scale pools and rings, in KVLayer's order (None where the cache has none)."""
+    return (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring)
+
+
 def out_of_range_insert_case(fmt: str = "nvfp4"):
     """write_kv without check on slots past the pool (one past 2^31, which an int32 slot would wrap) and ring rows
-    of an out-of-range seq_slot or a negative position. Returns (cache, snapshot before, k, v, slots, expected
-    layer-0 pools): those tokens write nothing (pools) or no ring row, and layer 1 (the next layer's memory)
-    stays as it was."""
+    of an out-of-range seq_slot or a negative position, on a poisoned two-layer cache. Returns (cache, each layer's
+    ``_pools`` before, k, v, a ringless reference twin of layer 0 written with the bad slots as -1)."""
     gen = torch.Generator().manual_seed(41)
     H, D, page, nb = 2, 128, 16, 8
     cache = PagedKVCache(2, nb, page, H, D, fmt, device="cuda:0", recent_window=8, max_seqs=2)
-    for lay in cache._layers:  # poison both layers
-        for t in (lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool, lay.k_ring, lay.v_ring):
-            if t is not None:
-                b = t.view(torch.uint8)
-                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).cuda())
-    before = [[None if t is None else t.clone() for t in (lay.k_data, lay.v_data, lay.k_scale_pool,
-                                                           lay.v_scale_pool, lay.k_ring, lay.v_ring)]
-              for lay in cache._layers]
+    for t in _tensors(cache):  # poison both layers
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).cuda())
+    before = [[None if t is None else t.clone() for t in _pools(lay)] for lay in cache._layers]
     cap = nb * page
     k, v = _inputs(7, H, D, gen)
     slots = torch.tensor([0, cap, cap + 7, 2**31 + 3, 5, 6, 7])
@@ -400,8 +400,7 @@ def test_out_of_range_slots_and_ring_rows_write_nothing():
         exp = old.clone()
         exp[0, :, 0] = x[0]  # only token 0 (seq_slot 0, position 0) has a ring row
         assert torch.equal(ring.view(torch.int16), exp.view(torch.int16)), "ring rows written out of range"
-    for t, old in zip((cache.layer(1).k_data, cache.layer(1).v_data, cache.layer(1).k_scale_pool,
-                       cache.layer(1).v_scale_pool, cache.layer(1).k_ring, cache.layer(1).v_ring), before[1]):
+    for t, old in zip(_pools(cache.layer(1)), before[1]):
         if t is not None:
             assert torch.equal(t.view(torch.uint8), old.view(torch.uint8)), "layer 1 written by a layer-0 insert"
 

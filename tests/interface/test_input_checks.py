@@ -8,33 +8,15 @@ import pytest
 import torch
 
 import qattn
-from qattn.interface import prefill as pf
 from qattn.interface.fast_launch import kernel_view
 from qattn.layouts.paged import KVLayer, PagedKVCache
 
 
 @pytest.fixture
-def fake_sm90(monkeypatch):
-    """CPU tensors pass as CUDA on an SM90; the K prepass and the kernel launches are recorded, not run."""
-    import qattn.quant.launch as ql
-
+def fake_sm90(gpu):
+    """CPU tensors pass as CUDA on an SM90 (tests/conftest.py's ``gpu``): 'k prepass' / 'kernel' in launch order."""
     launches = []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
-
-    def k_prepass(k, *, smooth_k, block_k, balance_q=None):
-        launches.append("k prepass")
-        return quantize_qk_int8_reference(k, k, smooth_k=smooth_k, block_k=block_k)[2:]
-
-    def k_prepass_varlen(k, cu_k, max_k, *, smooth_k, block_k, balance_q=None, cu_seqlens_q=None, max_seqlen_q=None):
-        launches.append("k prepass")
-        return quantize_qk_int8_varlen_reference(k, k, cu_k, cu_k, max_k, max_k, smooth_k=smooth_k,
-                                                 block_k=block_k)[2:]
-
-    monkeypatch.setattr(ql, "quantize_k_int8", k_prepass)
-    monkeypatch.setattr(ql, "quantize_k_int8_varlen", k_prepass_varlen)
-    monkeypatch.setattr(pf, "_launch", lambda *a, **k: launches.append("kernel"))
+    gpu((9, 0), log=launches)
     return launches
 
 

@@ -2,7 +2,7 @@
 capability -> arch mapping itself, other arches included, is tested in test_dispatch_sm100.py); SM100's missing
 options raise before any launch. The capability is mocked and CPU tensors are made to look like CUDA tensors
 (``is_cuda``); the prepass is the exact torch reference and the final kernel launch is replaced by a recorder,
-so nothing launches (the SM100 kernel never ran on hardware)."""
+so nothing launches (the SM100 kernel never ran on hardware): the ``gpu`` fixture of tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -19,42 +19,6 @@ from qattn.cute_kernels.sm90.prefill_config import PrefillConfig
 from qattn.interface import prefill as pf
 from qattn.interface import prefill_sm100
 from qattn.quant.qk_int8 import quantize_qk_int8_reference, quantize_qk_int8_varlen_reference
-
-
-@pytest.fixture
-def gpu(monkeypatch):
-    """``gpu(cap)``: pretend CPU tensors live on a GPU of compute capability ``cap``; returns the list that the
-    recorders fill with ('sm90' | 'sm100', cfg, args)."""
-    calls = []
-
-    def set_cap(cap):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        import qattn.quant.launch as ql
-
-        def fake_prepass(q, k, *, granularity, smooth_k, block_q, warp_q, block_k, balance_qk=False):
-            return quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                                              warp_q=warp_q, block_k=block_k, balance_qk=balance_qk)
-
-        def fake_k_prepass(k, *, smooth_k, block_k, balance_q=None):
-            out = quantize_qk_int8_reference(k if balance_q is None else balance_q, k, smooth_k=smooth_k,
-                                             block_k=block_k, balance_qk=balance_q is not None)
-            return out[2:]
-
-        def fake_varlen_prepass(q, k, cu_q, cu_k, max_q, max_k, *, granularity, smooth_k, block_q, warp_q, block_k,
-                                balance_qk=False):
-            return quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, max_q, max_k, granularity=granularity,
-                                                     smooth_k=smooth_k, block_q=block_q, warp_q=warp_q,
-                                                     block_k=block_k, balance_qk=balance_qk)
-
-        monkeypatch.setattr(ql, "quantize_qk_int8", fake_prepass)
-        monkeypatch.setattr(ql, "quantize_qk_int8_varlen", fake_varlen_prepass)
-        monkeypatch.setattr(ql, "quantize_k_int8", fake_k_prepass)
-        monkeypatch.setattr(prefill_sm100, "_launch", lambda cfg, args, dev: calls.append(("sm100", cfg, args)))
-        monkeypatch.setattr(pf, "_launch", lambda cfg, *args: calls.append(("sm90", cfg, args)))
-        return calls
-
-    return set_cap
 
 
 def _qkv(B=2, Sq=200, Sk=300, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16):
