@@ -11,7 +11,9 @@ the kernels are built from, the cutlass-dsl version and the Python version. The 
 the variant's key (arch, formats, head_dim, dtypes, tile and flag choices...). Writers compile under an
 exclusive lock and publish with ``os.replace``, so concurrent processes compile a cold variant once and a
 killed writer never leaves a truncated object; an object that fails to load is deleted and rebuilt.
-Set ``QATTN_CACHE_DIR=off`` to keep compiled kernels in memory only.
+Set ``QATTN_CACHE_DIR=off`` to keep compiled kernels in memory only. A cache directory that cannot be written
+(a warmed image mounted read-only, a full disk) still serves its objects; variants it lacks are compiled into
+memory, with a warning.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 _PKG_ROOT = Path(__file__).resolve().parent.parent
-# Sources whose bytes decide the generated code.
+# Sources whose bytes decide the generated code: the kernels, the layouts and the host-side modules whose
+# constants and helpers the kernels call at trace time (the V^T region offsets, the RoPE styles and scales).
 _SOURCE_DIRS = ("cute_kernels", "layouts")
+_SOURCE_FILES = ("quant/v_fp8.py", "quant/transforms.py")
 
 
 def cache_root() -> Path | None:
@@ -52,10 +57,10 @@ def source_fingerprint() -> str:
     h = hashlib.sha256()
     for part in (__version__, getattr(cutlass, "__version__", "?"), f"py{sys.version_info[0]}.{sys.version_info[1]}"):
         h.update(part.encode() + b"\0")
-    for sub in _SOURCE_DIRS:
-        for path in sorted((_PKG_ROOT / sub).rglob("*.py")):
-            h.update(str(path.relative_to(_PKG_ROOT)).encode() + b"\0")
-            h.update(path.read_bytes())
+    paths = [p for sub in _SOURCE_DIRS for p in sorted((_PKG_ROOT / sub).rglob("*.py"))]
+    for path in paths + [_PKG_ROOT / f for f in _SOURCE_FILES]:
+        h.update(str(path.relative_to(_PKG_ROOT)).encode() + b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()[:20]
 
 
@@ -86,17 +91,38 @@ class CacheEvent:
 
 
 class _FileLock:
+    """flock on ``path``. A shared lock on a read-only cache (an image warmed at build time, mounted read-only)
+    opens an existing lock file read-only, and without one (or without flock support) reads unlocked: objects
+    are published by rename, so a reader never sees a partial one. An exclusive lock that cannot be taken raises
+    OSError."""
+
     def __init__(self, path: Path, exclusive: bool) -> None:
         self.path, self.exclusive = path, exclusive
 
     def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            if self.exclusive:
+                raise
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                self.fd = None
+                return self
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
+        except OSError:  # e.g. ENOLCK on a file system without locks: a reader goes on unlocked, a writer fails
+            os.close(self.fd)
+            self.fd = None
+            if self.exclusive:
+                raise
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
 
 
 class CompileCache:
@@ -136,7 +162,6 @@ class CompileCache:
         d = self._dir()
         if d is None:
             return build(), "compiled", None
-        d.mkdir(parents=True, exist_ok=True)
         _load_runtime_libraries()
         name = f"{self.kind}_{key_hash(key)}"
         obj = d / f"{name}.o"
@@ -146,21 +171,45 @@ class CompileCache:
                 fn = _try_load(obj, name)
             if fn is not None:
                 return fn, "disk", str(obj)
-        with _FileLock(lock, exclusive=True):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            writer = _FileLock(lock, exclusive=True).__enter__()
+        except OSError as e:  # a read-only (or otherwise unwritable) cache: compile, keep it in memory only
+            _warn_unwritable(d, e)
+            return build(), "compiled", None
+        try:
             if obj.exists():  # another process built it while we waited
                 fn = _try_load(obj, name)
                 if fn is not None:
                     return fn, "disk", str(obj)
                 obj.unlink(missing_ok=True)  # corrupt: rebuild
             compiled = build()
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=d))
+            tmp = None
             try:
+                tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=d))
                 compiled.export_to_c(str(tmp), name, function_prefix=name)
                 os.replace(tmp / f"{name}.h", d / f"{name}.h")
                 os.replace(tmp / f"{name}.o", obj)  # the object last: its presence means "complete"
+            except OSError as e:  # e.g. the disk is full: the kernel still runs, from memory
+                _warn_unwritable(d, e)
+                return compiled, "compiled", None
             finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            writer.__exit__()
         return compiled, "compiled", str(obj)
+
+
+_WARNED: set = set()
+
+
+def _warn_unwritable(d: Path, err: OSError) -> None:
+    """One warning per kernel-kind directory: kernels compiled in this process stay in memory."""
+    if d not in _WARNED:
+        _WARNED.add(d)
+        warnings.warn(f"qattn compile cache {d} cannot store new kernels ({err}); they are kept in memory only "
+                      "(QATTN_CACHE_DIR=off silences this)", RuntimeWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)

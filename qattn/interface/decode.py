@@ -71,7 +71,7 @@ def combine_compile_args():
 
 
 def _check_arch(device: torch.device) -> str:
-    return kernel_arch(device, "decode")  # 10.x: the SM100 dispatch hook -> decode_sm100.py
+    return kernel_arch(device, "decode")  # 10.0: the SM100 dispatch hook -> decode_sm100.py
 
 
 def _tcgen05_takes(cache: PagedKVCache, q_dtype: str, group: int, seqlen_q: int) -> bool:
@@ -172,7 +172,7 @@ def _flash_attn_with_kvcache_eager(
     ``write_kv(k_mean=...)``, since the cap is not invariant to the shift smoothing takes out: a ValueError).
     seqlen_q is 1..16 and seqlen_q x (num_heads / num_kv_heads) at most 256.
 
-    Kernels: on SM90 the mma.sync kernel (``cute_kernels/sm90/decode.py``). On SM100 (compute capability 10.x;
+    Kernels: on SM90 the mma.sync kernel (``cute_kernels/sm90/decode.py``). On SM100 (compute capability 10.0;
     compile-checked only, no Blackwell GPU was available) FP4 K and V pages without a ring or sink, at most 128
     query rows per kv head, run the block-scaled tcgen05 kernel (``cute_kernels/sm100/decode.py``, emulated on the
     CPU); every other call runs the same mma.sync kernel as SM90, compiled for sm_100a.

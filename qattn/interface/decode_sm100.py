@@ -1,5 +1,5 @@
 """SM100 launcher of ``flash_attn_with_kvcache`` (reached through the dispatch hook in ``decode.py`` on compute
-capability 10.x). NEVER RAN ON HARDWARE: no Blackwell GPU was available; the kernel is compile-checked for
+capability 10.0). NEVER RAN ON HARDWARE: no Blackwell GPU was available; the kernel is compile-checked for
 sm_100a and emulated on the CPU (``qattn.cute_kernels.sm100.emulate``).
 
 The caller's arguments were validated by ``decode.py`` already; this adds the SM100 kernel's own limits (FP4
@@ -69,8 +69,8 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
         softmax_scale = 1.0 / math.sqrt(D)
     q_data, q_sf, q_rs = quantize_q(q, H, cache.k_format, cfg.q_terms)
     lay = cache.layer(layer)
-    if out is None:
-        out = torch.empty_like(q)
+    if out is None:  # contiguous whatever q's strides: the kernel and the combine write (B, Sq, Hq, D) rows
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
 
     def addr(t):

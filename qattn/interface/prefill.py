@@ -4,7 +4,7 @@ and ``prefill_int8`` (the attention kernel alone, on already-quantized Q/K).
 Thin by design: validate host-known facts, pick the compiled kernel from the shared compile cache (key = arch +
 :class:`~qattn.cute_kernels.sm90.prefill_config.PrefillConfig`), launch on torch's current stream. No host sync.
 
-Arch dispatch (``_check_arch``): compute capability 9.0 -> the SM90 kernel; 10.x -> the SM100 kernel
+Arch dispatch (``_check_arch``): compute capability 9.0 -> the SM90 kernel; 10.0 -> the SM100 kernel
 (``prefill_sm100.py``, dense and varlen INT8 Q K^T with P.V in V's dtype only; NEVER RAN ON HARDWARE,
 compile-checked and emulated on the CPU); anything else a ValueError. What the SM100 kernel lacks (FP8 P.V, the
 16-bit Q K^T path) raises NotImplementedError before any launch: no silent fallback.
@@ -44,7 +44,7 @@ def prefill_compile_args():
 
 
 def _check_arch(device: torch.device) -> str:
-    return kernel_arch(device, "INT8-QK prefill")  # 10.x: prefill_sm100.py
+    return kernel_arch(device, "INT8-QK prefill")  # 10.0: prefill_sm100.py
 
 
 def _check_sm100_options(device: torch.device, **options) -> None:
@@ -860,9 +860,10 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
                                                     dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if torch.compiler.is_compiling():
-        from .torch_ops import prefill_varlen_op
+        from .torch_ops import int_arg, prefill_varlen_op
 
-        out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int_arg(max_seqlen_q, "max_seqlen_q"),
+                                     int_arg(max_seqlen_k, "max_seqlen_k"),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
                                      qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype, softcap=softcap)
     else:

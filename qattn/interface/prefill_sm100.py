@@ -1,4 +1,4 @@
-"""SM100 launcher of the INT8-QK prefill (``flash_attn_func`` / ``prefill_int8`` on compute capability 10.x,
+"""SM100 launcher of the INT8-QK prefill (``flash_attn_func`` / ``prefill_int8`` on compute capability 10.0,
 reached through ``prefill.py``'s arch dispatch). NEVER RAN ON HARDWARE: no Blackwell GPU was available; the
 kernel is compile-checked for sm_100a and emulated on the CPU (``qattn.cute_kernels.sm100.emulate_prefill``).
 

@@ -40,6 +40,14 @@ def _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_s
                                      rotation_seed=rotation_seed, rotation_signs=rotation_signs)
 
 
+def int_arg(v, name: str):
+    """An int argument passed into a custom op under torch.compile: ints (and SymInts) pass, anything else is a
+    TypeError (``int()`` would truncate a float silently; the eager paths reject it too)."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    return v
+
+
 def _head_dim(k_data: torch.Tensor, k_format: str) -> int:
     return k_data.shape[-1] * (2 if _parse(k_format).is_packed else 1)
 
@@ -108,7 +116,7 @@ def _(q, k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_sc
       k_format, v_format, page_size, softmax_scale, causal, num_splits, k_ring=None, v_ring=None, seq_slots=None,
       k_sink=None, v_sink=None, window_left=-1, window_right=-1, softcap=0.0):
     B, Sq, Hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 def write_kv_traced(cache: PagedKVCache, layer: int, k, v, slot_mapping, seq_slots, positions, rope=None,
@@ -208,7 +216,7 @@ def flatten_kv_traced(cache: PagedKVCache, layer: int, block_table, cache_seqlen
     return torch.ops.qattn.flatten_kv(lay.k_data, lay.v_data, lay.k_scale_pool, lay.v_scale_pool,
                                       lay.k_global_scale, lay.v_global_scale, block_table, cache_seqlens,
                                       format_str(cache.k_format), format_str(cache.v_format), cache.page_size,
-                                      int(max_seqlen))
+                                      int_arg(max_seqlen, "max_seqlen"))
 
 
 # --- the prefill prepass entry points (qattn.quant) ----------------------------------------------------------
@@ -284,7 +292,8 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity,
 def quantize_qk_int8_varlen_traced(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, granularity,
                                    smooth_k, block_q, warp_q, block_k, balance_qk=False):
     qi, qs, ki, ks, km, lam = torch.ops.qattn.quantize_qk_int8_varlen(
-        q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), granularity, smooth_k, block_q,
+        q, k, cu_seqlens_q, cu_seqlens_k, int_arg(max_seqlen_q, "max_seqlen_q"), int_arg(max_seqlen_k, "max_seqlen_k"),
+        granularity, smooth_k, block_q,
         warp_q, block_k, balance_qk)
     out = (qi, qs, ki, ks, (km if smooth_k else None))
     return out + (lam,) if balance_qk else out
@@ -329,4 +338,4 @@ def _(v, cu_seqlens_k, max_seqlen_k):
 
 
 def quantize_v_fp8_varlen_traced(v, cu_seqlens_k, max_seqlen_k: int):
-    return torch.ops.qattn.quantize_v_fp8_varlen(v, cu_seqlens_k, int(max_seqlen_k))
+    return torch.ops.qattn.quantize_v_fp8_varlen(v, cu_seqlens_k, int_arg(max_seqlen_k, "max_seqlen_k"))

@@ -71,10 +71,12 @@ def device_capability(device) -> tuple[int, int]:
 
 
 def kernel_arch(device, kernels: str) -> str:
-    """The arch whose ``kernels`` (e.g. "decode") a call on ``device`` runs: compute capability 10.x ->
-    "sm_100a" (Blackwell kernels, never run on hardware here), 9.0 -> "sm_90a", anything else a clear error."""
+    """The arch whose ``kernels`` (e.g. "decode") a call on ``device`` runs: compute capability 10.0 ->
+    "sm_100a" (Blackwell kernels, never run on hardware here), 9.0 -> "sm_90a", anything else a clear error
+    (the same devices as :func:`supported_arch`: "a" targets run on their exact capability only, so 10.3 is
+    refused too)."""
     major, minor = device_capability(device)
-    if major == 10:
+    if (major, minor) == (10, 0):
         return "sm_100a"
     if (major, minor) != (9, 0):
         raise ValueError(f"q: device {device} is sm_{major}{minor}; the {kernels} kernels are built for SM90 "

@@ -75,13 +75,15 @@ def _filters(args, error) -> dict:
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):
     """Worker: compile (or load) variant ``index``; returns (source, seconds, path, error)."""
-    v = enumerate_variants(kind, arch, **filters)[index]
     t0 = time.perf_counter()
     try:
+        v = enumerate_variants(kind, arch, **filters)[index]
         cache = cache_for(kind)
+        if v.key in cache:  # already in this process's memory: a lookup records no event
+            return ("memory", time.perf_counter() - t0, None, None)
         cache.get(v.key, v.build)
-        ev = cache.events[-1] if cache.events else None
-        return (ev.source if ev else "memory", time.perf_counter() - t0, ev.path if ev else None, None)
+        ev = cache.events[-1]
+        return (ev.source, time.perf_counter() - t0, ev.path, None)
     except Exception as e:  # reported in the table; the exit code says it failed
         return ("failed", time.perf_counter() - t0, None, f"{type(e).__name__}: {e}")
 
@@ -164,7 +166,10 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = {pool.submit(_compile_one, k, a, i, filters): n for n, (k, a, i, _) in enumerate(jobs)}
             for done, fut in enumerate(as_completed(futs), 1):
-                results[futs[fut]] = fut.result()
+                try:
+                    results[futs[fut]] = fut.result()
+                except Exception as e:  # a worker died (e.g. killed for memory): that variant failed, the table stays
+                    results[futs[fut]] = ("failed", 0.0, None, f"worker: {type(e).__name__}: {e}")
                 progress(done)
     print(file=sys.stderr)
 

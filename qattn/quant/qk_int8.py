@@ -61,6 +61,9 @@ _GRANULARITIES = ("per_block", "per_warp")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+MAX_BLOCK_ROWS = 4096  # block_q / warp_q / block_k: rows of one scale group (the kernels use 16-128)
+
+
 def _check_int(v, name: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
@@ -72,9 +75,10 @@ def _check_int(v, name: str) -> int:
 def _check_blocks(granularity, block_q, warp_q, block_k) -> None:
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity: expected one of {_GRANULARITIES}, got {granularity!r}")
-    _check_int(block_q, "block_q")
-    _check_int(warp_q, "warp_q")
-    _check_int(block_k, "block_k")
+    for v, name in ((block_q, "block_q"), (warp_q, "warp_q"), (block_k, "block_k")):
+        # the cap keeps a huge block from sizing a huge scale tensor (per_warp: block_q / warp_q groups per block)
+        if _check_int(v, name) > MAX_BLOCK_ROWS:
+            raise ValueError(f"{name}: at most {MAX_BLOCK_ROWS} rows, got {v}")
     if block_q % warp_q:
         raise ValueError(f"warp_q: block_q ({block_q}) must be a multiple of warp_q ({warp_q})")
 

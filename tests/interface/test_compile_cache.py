@@ -90,3 +90,89 @@ def test_disabled_and_clear(cache_dir, monkeypatch):
     c = CompileCache("test")
     c.get(("twice", 4), build())
     assert c.events[-1].path is None and not any(cache_dir.rglob("*.o"))
+
+
+@pytest.fixture
+def read_only(cache_dir, monkeypatch):
+    """The cache directory as a read-only mount shows it: opening a file there for writing fails with EROFS."""
+    import errno
+
+    real_open = os.open
+
+    def ro_open(path, flags, *a):
+        if str(path).startswith(str(cache_dir)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    return lambda: monkeypatch.setattr(os, "open", ro_open)
+
+
+def test_read_only_cache_loads_and_compiles_in_memory(cache_dir, read_only):
+    """A cache warmed at image build and mounted read-only: its objects load (shared lock on the existing lock
+    file opened read-only); a variant it lacks compiles and stays in memory, with one warning."""
+    from tests.interface._cache_worker import build
+
+    CompileCache("test").get(("ro", 1), build())
+    read_only()
+    c = CompileCache("test")
+    c.get(("ro", 1), build())
+    assert c.events[-1].source == "disk"
+    for lock in cache_dir.rglob("*.lock"):
+        lock.unlink()  # a warmed image without lock files: read unlocked
+    c = CompileCache("test")
+    c.get(("ro", 1), build())
+    assert c.events[-1].source == "disk"
+    with pytest.warns(RuntimeWarning, match="cannot store new kernels"):
+        c.get(("ro", 2), build())
+    assert c.events[-1].source == "compiled" and c.events[-1].path is None
+    assert len(list(cache_dir.rglob("*.o"))) == 1
+
+
+@pytest.mark.parametrize("rel", ["cute_kernels/sm90/prefill_int8.py", "layouts/paged.py", "quant/v_fp8.py",
+                                 "quant/transforms.py"])
+def test_fingerprint_covers_the_sources_kernels_are_traced_from(tmp_path, monkeypatch, rel):
+    """An edit of any module whose code or constants end up in a compiled kernel (the V^T region offsets of
+    quant/v_fp8.py, the RoPE styles of quant/transforms.py...) must change the fingerprint."""
+    import shutil
+
+    from qattn.interface import compile_cache
+
+    pkg = Path(compile_cache.__file__).resolve().parents[1]
+    copy = tmp_path / "qattn"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(compile_cache, "_PKG_ROOT", copy)
+    compile_cache.source_fingerprint.cache_clear()
+    before = compile_cache.source_fingerprint()
+    with open(copy / rel, "a") as f:
+        f.write("\n# edited\n")
+    compile_cache.source_fingerprint.cache_clear()
+    try:
+        assert compile_cache.source_fingerprint() != before
+    finally:
+        compile_cache.source_fingerprint.cache_clear()
+
+
+def test_file_system_without_locks(cache_dir, monkeypatch):
+    """flock failing (ENOLCK, e.g. NFS without locking): objects still load unlocked, a new variant compiles into
+    memory with a warning, and no lock file descriptor is left open."""
+    import errno
+    import fcntl
+
+    from qattn.interface import compile_cache
+    from tests.interface._cache_worker import build
+
+    CompileCache("test").get(("nolock", 1), build())
+
+    def no_locks(fd, op):
+        if op != fcntl.LOCK_UN:
+            raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(compile_cache.fcntl, "flock", no_locks)
+    fds = len(os.listdir("/proc/self/fd"))
+    c = CompileCache("test")
+    c.get(("nolock", 1), build())
+    assert c.events[-1].source == "disk"
+    with pytest.warns(RuntimeWarning, match="cannot store new kernels"):
+        c.get(("nolock", 2), build())
+    assert c.events[-1].source == "compiled" and c.events[-1].path is None
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -139,6 +139,12 @@ def test_fake_shapes():
                                                 "nvfp4", "nvfp4", 16, 0.125, True, 0)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
+        # a transposed q (heads-major memory, two query rows): the real op returns a contiguous out, so must the fake
+        qt = torch.empty(3, 8, 2, 64, dtype=torch.bfloat16).transpose(1, 2)
+        out, _ = torch.ops.qattn.paged_decode(qt, pools[0], pools[1], scales[0], scales[1], gs[0], gs[1],
+                                              torch.empty(3, dtype=torch.int32), torch.empty(3, 5, dtype=torch.int32),
+                                              "nvfp4", "nvfp4", 16, 0.125, True, 0)
+        assert not qt.is_contiguous() and out.shape == qt.shape and out.is_contiguous()
 
 
 def test_ring_decode_step_traces_with_seq_slots():
@@ -409,3 +415,27 @@ def test_prepass_traces_into_custom_ops():
     targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert any("qattn.quantize_qk_int8" in t for t in targets) and any("qattn.quantize_v_fp8" in t for t in targets)
     assert any("qattn.quantize_v_fp8_varlen" in t for t in targets)
+
+
+def test_traced_max_seqlen_must_be_an_int():
+    """Under torch.compile a float max_seqlen raises as in eager mode (int() would truncate it silently)."""
+    from qattn.quant import quantize_qk_int8_varlen, quantize_v_fp8_varlen
+
+    graphs, record = _recorder()
+    qp = torch.randn(64, 4, 64, dtype=torch.bfloat16)
+    kp = torch.randn(64, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    calls = {
+        "max_seqlen_q": lambda: qattn.flash_attn_varlen_func(qp, kp, kp, cu, cu, 44.0, 44),
+        "max_seqlen_k": lambda: qattn.flash_attn_varlen_func(qp, kp, kp, cu, cu, 44, 44.9),
+        "max_seqlen_q ": lambda: quantize_qk_int8_varlen(qp, kp, cu, cu, 44.5, 44),
+        "max_seqlen_k ": lambda: quantize_v_fp8_varlen(kp, cu, 44.0),
+    }  # (flatten_kv checks its max_seqlen before it branches on compiling)
+    for name, call in calls.items():
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{name.strip()}: expected an int"):
+            torch.compile(call, fullgraph=True, backend=record)()
+    torch._dynamo.reset()
+    torch.compile(lambda: qattn.flash_attn_varlen_func(qp, kp, kp, cu, cu, 44, 44), fullgraph=True,
+                  backend=record)()
+    assert any("prefill_varlen" in str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function")

@@ -274,3 +274,33 @@ def test_decode_softcap_variants():
     assert len(capped) == 2 * len(plain) and set(plain) < set(capped)
     f = kv_format("nvfp4")
     assert ("sm_90a",) + choose_config(f, f, 128, 16, "bf16", 4, 1, True, True, softcap=50.0).key in capped
+
+
+def test_dead_worker_is_a_failed_row(tmp_path, monkeypatch, capsys):
+    """--jobs > 1: a compile worker that dies (BrokenProcessPool) fails its variant; the table still prints."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    monkeypatch.setenv("QATTN_CACHE_DIR", str(tmp_path))
+
+    class DeadPool:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, *_):
+            f = Future()
+            f.set_exception(BrokenProcessPool("a child process terminated abruptly"))
+            return f
+
+    monkeypatch.setattr(warmup, "ProcessPoolExecutor", DeadPool)
+    assert warmup.main(["--arch", "sm_90a", "--kernels", "chunk_reduce", "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("sm_90a")]
+    assert rows and all(" failed " in ln for ln in rows) and "BrokenProcessPool" in out
+    assert f"{len(rows)} variants, {len(rows)} failed" in out

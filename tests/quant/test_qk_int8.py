@@ -189,27 +189,28 @@ def test_errors():
         call(q, k, block_k=0)
     with pytest.raises(TypeError, match="block_q"):
         call(q, k, block_q=128.0)
-    with pytest.raises(TypeError, match="q"):
+    # each check's own "<name>: <what>" message (qk_int8._check_tensor / _check_pair), not just a letter
+    with pytest.raises(TypeError, match=r"^q: expected dtype in .*, got torch\.float64$"):
         call(q.double(), k)
-    with pytest.raises(TypeError, match="k"):
+    with pytest.raises(TypeError, match=r"^k: expected dtype in .*, got torch\.int8$"):
         call(q, k.to(torch.int8))
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match=r"^q: expected a torch\.Tensor, got ndarray$"):
         call(q.numpy(), k)
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match=r"^q: expected shape \(batch, seqlen, heads, head_dim\), got \(32, 8, 64\)$"):
         call(q[0], k)
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"^k: batch 1 differs from q's batch 2$"):
         call(q, k[:1])  # batch
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"^k: head_dim 32 differs from q's head_dim 64$"):
         call(q, k[..., :32])  # head_dim
     with pytest.raises(ValueError, match="num_kv_heads"):
         call(q[:, :, :7], k)  # Hq % Hkv
     qb = q.clone()
     qb[0, 0, 0, 0] = math.nan
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match=r"^q: contains NaN or Inf$"):
         call(qb, k)
     kb = k.clone()
     kb[0, 0, 0, 0] = math.inf
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"^k: contains NaN or Inf$"):
         call(q, kb)
     with pytest.raises(ValueError, match="k_mean"):
         call(q, k, k_mean=torch.zeros(2, 2, 32))
@@ -312,3 +313,15 @@ def test_balance_improves_attention_on_loud_channels():
     off, on = err(False, q, k, ref), err(True, q, k, ref)
     assert off > 0.03 and on < 0.025, (off, on)
     del ref_plain
+
+
+@pytest.mark.parametrize("name", ["block_q", "warp_q", "block_k"])
+def test_block_sizes_are_capped(name):
+    """A huge block would size a huge scale tensor (per_warp: block_q / warp_q groups per block): refused."""
+    from qattn.quant.qk_int8 import MAX_BLOCK_ROWS
+
+    q, k = make_qk(Sq=32, Sk=32)
+    blocks = dict(block_q=MAX_BLOCK_ROWS, warp_q=16, block_k=MAX_BLOCK_ROWS)
+    quantize_qk_int8_reference(q, k, **blocks)  # the cap itself is allowed
+    with pytest.raises(ValueError, match=f"{name}: at most {MAX_BLOCK_ROWS} rows"):
+        quantize_qk_int8_reference(q, k, **{**blocks, name: 2 * MAX_BLOCK_ROWS})

@@ -1,5 +1,6 @@
-"""CPU test of the decode and prefill arch dispatch: compute capability 10.x -> SM100 kernel, 9.0 -> SM90, others
-a clear error (the capability is mocked; nothing launches); the SM100 decode config limits."""
+"""CPU test of the decode and prefill arch dispatch: compute capability 10.0 -> SM100 kernel, 9.0 -> SM90, others
+(10.3 too: sm_100a code runs on 10.0 only) a clear error (the capability is mocked; nothing launches); the SM100
+decode config limits."""
 
 from __future__ import annotations
 
@@ -16,18 +17,22 @@ KERNELS = pytest.mark.parametrize("kernel", [dec, pf], ids=["decode", "prefill"]
 
 
 @KERNELS
-@pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_100a")])
+@pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a")])
 def test_arch_dispatch(monkeypatch, kernel, cap, arch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     assert kernel._check_arch(torch.device("cpu")) == arch
 
 
 @KERNELS
-@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (12, 0), (9, 1)])
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (12, 0), (9, 1), (10, 3)])
 def test_other_arch_is_a_clear_error(monkeypatch, kernel, cap):
+    from qattn.interface.variants import supported_arch
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
     with pytest.raises(ValueError, match="SM90 .* and SM100"):
         kernel._check_arch(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="SM90 .* or SM100"):  # the prepass, insert and warm-up arch
+        supported_arch(torch.device("cpu"))
 
 
 def test_sm100_config_limits():

@@ -128,7 +128,7 @@ def tcgen05_takes(k_fmt: KVFormat, v_fmt: KVFormat, head_dim: int, page_size: in
                   seqlen_q: int, ring_window: int = 0, sink_tokens: int = 0) -> bool:
     """Whether the tcgen05 decode kernel of this file takes a call: FP4 K and V (its block-scaled MMA), no
     recent-token ring or sink buffer, at most 128 packed query rows, a page size and head_dim it knows (mxfp4's
-    block 32 needs head_dim 128). On compute capability 10.x every other call runs the portable mma.sync decode
+    block 32 needs head_dim 128). On compute capability 10.0 every other call runs the portable mma.sync decode
     kernel (``qattn.cute_kernels.sm90.decode.DecodeSm90``, compiled for sm_100a): the one place that rule lives,
     used by the launcher and by ``qattn-warmup``."""
     if ring_window or sink_tokens or seqlen_q * group > ROWS:

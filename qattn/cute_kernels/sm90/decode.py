@@ -1095,13 +1095,13 @@ def _decode_variants(arch: str, kv_formats=None, head_dims=None, gqa=None, page_
     format (or ``k+v`` pair), head_dim, GQA ratio, page size, seqlen_q, recent window, sink token count and q
     dtype, causal, with and without split-KV (the ring / sink, when there is one, in the q dtype);
     ``sliding_window``: also the ``window_size`` variants; ``softcaps``: also each one's twin per ``softcap``.
-    On sm_100a, the dispatch of compute capability 10.x: the tcgen05 kernel's variants, and this kernel's for what
+    On sm_100a, the dispatch of compute capability 10.0: the tcgen05 kernel's variants, and this kernel's for what
     the tcgen05 kernel does not take (``sm100.decode_config.tcgen05_takes``)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
     from qattn.cute_kernels.sm100.decode_config import tcgen05_takes
 
     out, seen = [], set()
-    if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.x
+    if arch == "sm_100a":  # the SM100 kernel, through the same dispatch as flash_attn_with_kvcache on cc 10.0
         from qattn.cute_kernels.sm100.decode import sm100_decode_variants
 
         if 0 in (recent_windows or [0]) and 0 in (sink_tokens or [0]):  # it reads caches without ring or sink
