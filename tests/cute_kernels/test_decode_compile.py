@@ -9,6 +9,8 @@ of the kernel is emulated in plain Python at the end (the index math the GPU tes
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import re
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from qattn.cute_kernels.combine import CombineSplits
+from qattn.cute_kernels.common import fp4
 from qattn.cute_kernels.compile_utils import compile_for_arch, ptx_count
 from qattn.cute_kernels.sm90.decode import DecodeSm90
 from qattn.cute_kernels.sm90.decode_config import (NARROW_ROWS, DecodeConfig, m_blocks_for, num_splits_heuristic,
@@ -57,15 +60,64 @@ def _compile(kf, vf, D, qd, group, sq, page, causal, split, window=0, ring_dtype
     return cfg, ptx
 
 
+# A 16-byte cp.async: operands [dst], [src], cp-size 16 (then an optional src-size / ignore-src operand). The
+# old pattern "cp.async.cg.shared.global.*16" also took any other size next to a "16" in a register name.
+CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global(\.L2::\w+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16\s*(,\s*[^;]+)?;"
+# The FP4 decode's own prmt forms (common/fp4.py), none of which a bf16 / fp8 / int8 page path emits:
+# the E2M1 -> E4M3 table lookup (2 per decoded word, table decode), the sign-replicate pair (2 per decoded word,
+# table decode) and the E4M3 block-scale broadcast (nvfp4 scales, e4m3_to_f16x2). The table-free even/odd decode
+# of nvfp4 has no prmt; its signature is the 0x1C1C1C1C magnitude mask (2 per decoded word).
+FP4_LUT_PRMT = (rf"(?i)prmt\.b32\s+\w+,\s*{fp4.E2M1_TO_E4M3_LUT[0]:#010x},\s*{fp4.E2M1_TO_E4M3_LUT[1]:#010x},"
+                r"\s*\w+;")
+FP4_SIGN_PRMT = r"(?i)prmt\.b32\s+\w+,\s*\w+,\s*%r\d+,\s*0x(d9c8|fbea);"
+FP4_SCALE_PRMT = r"prmt\.b32\s+\w+,\s*%r\d+,\s*0,\s*0x(0|11|22|33);"
+FP4_EVEN_ODD_AND = r"(?i)and\.b32\s+\w+,\s*\w+,\s*0x1c1c1c1c;"
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_pages_prmt(cfg: DecodeConfig) -> int:
+    """prmt count of ``cfg`` with its FP4 K / V pages replaced by bf16 ones (everything else the same)."""
+    bf16 = kv_format("bf16")
+    swap = {f: (bf16 if f.payload == "e2m1" else f) for f in (cfg.k_fmt, cfg.v_fmt)}
+    base = dataclasses.replace(cfg, k_fmt=swap[cfg.k_fmt], v_fmt=swap[cfg.v_fmt])
+    _, ptx = compile_for_arch(DecodeSm90(base), *decode_compile_args(), arch="sm_90a")
+    return ptx_count(ptx, r"prmt\.b32")
+
+
+def _check_fp4_decode(cfg: DecodeConfig, ptx: str) -> None:
+    """The FP4 decode is in the PTX: each K / V FP4 operand's own decode (table or even/odd) and the nvfp4 scale
+    broadcast, and those prmt come on top of the bf16-pages variant's prmt count. A bare ``prmt.b32 > 0`` proved
+    nothing: bf16/bf16 kernels have 16..384 prmt (token-pair packing), int8/int8 48..96 (i8 -> f16)."""
+    kern = DecodeSm90(cfg)
+    fp4_ops = [(info, eo) for info, eo in ((kern.k, kern.k.even_odd), (kern.v, kern.v_even_odd))
+               if info.kind == "fp4"]
+    lut, sign = ptx_count(ptx, FP4_LUT_PRMT), ptx_count(ptx, FP4_SIGN_PRMT)
+    scale, eo_and = ptx_count(ptx, FP4_SCALE_PRMT), ptx_count(ptx, FP4_EVEN_ODD_AND)
+    assert (lut > 0) == any(not eo for _, eo in fp4_ops), f"E2M1 table prmt: {lut}"
+    assert sign == lut, f"sign-replicate prmt {sign} != table prmt {lut} (2 + 2 per decoded word)"
+    assert (eo_and > 0) == any(eo for _, eo in fp4_ops), f"even/odd decode masks: {eo_and}"
+    assert (scale > 0) == any(info.scale == "e4m3" for info, _ in fp4_ops), f"e4m3 scale broadcasts: {scale}"
+    assert ptx_count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") >= 2 * (lut + eo_and)  # 4 per word; 2 table prmt / masks
+    if fp4_ops:
+        # Expected increase over the same config with bf16 pages: at least the decode's own prmt, a structural
+        # bound (the other permutes, token pairs / bytes, are the bf16 path's or more: nvfp4's even/odd K adds
+        # 8..32). Measured over REPRESENTATIVE / RING / SINK: increase 4..256, increase - decode prmt 0..32
+        # (0 for the MX formats and an nvfp4 V, e.g. int8/nvfp4 d128 split: 68 - 64 = 4 = its 4 scale prmt).
+        decode_prmt = lut + sign + scale
+        increase = ptx_count(ptx, r"prmt\.b32") - _bf16_pages_prmt(cfg)
+        assert decode_prmt > 0 and increase >= decode_prmt, (increase, lut, sign, scale)
+
+
 def _check_ptx(cfg: DecodeConfig, ptx: str) -> None:
     assert ptx_count(ptx, r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32") > 0, "no tensor-core MMA in the PTX"
     # narrow: P^T's B fragments come from the S^T accumulator through movmatrix.trans; the wide layout has none
     assert (ptx_count(ptx, r"movmatrix\.sync\.aligned\.m8n8\.trans\.b16") > 0) == cfg.narrow
-    assert ptx_count(ptx, r"cp\.async\.cg\.shared\.global.*16") > 0, "no 16-byte cp.async in the PTX"
+    n16 = ptx_count(ptx, CP_ASYNC_16)
+    assert n16 > 0, "no 16-byte cp.async in the PTX"
+    assert n16 == ptx_count(ptx, r"cp\.async\.c[ag]\."), "a cp.async of another size / cache mode"
     assert ptx_count(ptx, r"cp\.async\.wait_group") > 0
+    _check_fp4_decode(cfg, ptx)
     for f in (cfg.k_fmt, cfg.v_fmt):
-        if f.payload == "e2m1":
-            assert ptx_count(ptx, r"prmt\.b32") > 0 and ptx_count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") > 0
         if f.payload == "e4m3":
             assert ptx_count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") > 0
 

@@ -137,15 +137,16 @@ def test_launchers_reject_cpu_tensors():
 
     p = torch.zeros(4, 32, dtype=torch.uint8)
     s = torch.zeros(4, 2, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="payload"):
+    # each check's own "<name>: <what>" message (fp4_rows._check_cuda_tensor / quantize_rows / _fp4_format)
+    with pytest.raises(ValueError, match=r"^payload: expected a CUDA tensor, got device cpu$"):
         fp4_rows.dequantize_rows(p, s, "mxfp4")
-    with pytest.raises(TypeError, match="payload"):
+    with pytest.raises(TypeError, match=r"^payload: expected dtype torch\.uint8, got torch\.float32$"):
         fp4_rows.dequantize_rows(p.float(), s, "mxfp4")
-    with pytest.raises(ValueError, match="fmt"):
+    with pytest.raises(ValueError, match=r"^fmt: expected an FP4 format .*, got 'int8'$"):
         fp4_rows.dequantize_rows(p, s, "int8")
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(ValueError, match=r"^x: expected a CUDA tensor, got device cpu$"):
         fp4_rows.quantize_rows(torch.zeros(4, 64), "mxfp4")
-    with pytest.raises(TypeError, match="x"):
+    with pytest.raises(TypeError, match=r"^x: expected dtype float32 or bfloat16, got torch\.float16$"):
         fp4_rows.quantize_rows(torch.zeros(4, 64, dtype=torch.float16), "mxfp4")
 
 

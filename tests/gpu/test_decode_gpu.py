@@ -325,7 +325,7 @@ def test_decode_rejects_bad_args():
     from qattn.interface.decode import flash_attn_with_kvcache
 
     cache, q, seqlens, table = make_case("nvfp4", 64, 4, 1, 16, [20, 3])
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match=r"^q: expected dtype torch\.bfloat16 or torch\.float16, got torch\.float32$"):
         flash_attn_with_kvcache(q.float(), cache, seqlens, table)
     with pytest.raises(TypeError, match="block_table"):
         flash_attn_with_kvcache(q, cache, seqlens, table.long())
@@ -335,7 +335,9 @@ def test_decode_rejects_bad_args():
         flash_attn_with_kvcache(q[:, :, :3], cache, seqlens, table)
     with pytest.raises(ValueError, match="seqlen_q"):
         flash_attn_with_kvcache(q.expand(2, 17, -1, -1).contiguous(), cache, seqlens, table)
-    with pytest.raises(ValueError, match="256"):  # 16 x 32 = 512 query rows per kv head
+    # 16 x 32 = 512 query rows per kv head: the rows check of _flash_attn_with_kvcache_eager
+    with pytest.raises(ValueError, match=r"^q: seqlen_q \* \(num_heads / num_kv_heads\) = 16 \* 32 exceeds 256 "
+                                         r"query rows per kv head"):
         flash_attn_with_kvcache(q.repeat(1, 16, 8, 1), cache, seqlens, table)
     with pytest.raises(ValueError, match="seq_slots"):  # no ring in this cache
         flash_attn_with_kvcache(q, cache, seqlens, table, seq_slots=seqlens)

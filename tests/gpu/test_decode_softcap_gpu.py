@@ -69,13 +69,16 @@ def test_softcap_decode_over_ring_sink_and_windows(case):
     _check(got, lse, ref, ref_lse)
 
 
+@pytest.mark.launch_plans
 def test_softcap_decode_in_cuda_graph_torch_compile_and_plans():
+    from qattn.interface import decode
     from qattn.interface.decode import flash_attn_with_kvcache
 
     cache, q, seqlens, table = make_case("nvfp4", 128, 8, 4, 16, [2000, 900, 33], seed=3)
     ref = flash_attn_with_kvcache(q, cache, seqlens, table, softcap=30.0)
     for _ in range(3):  # the launch plan records, then replays
         assert torch.equal(flash_attn_with_kvcache(q, cache, seqlens, table, softcap=30.0), ref)
+    assert decode._DECODE_PLANS.hits >= 2, decode._DECODE_PLANS.unplanned
     fn = torch.compile(lambda q: flash_attn_with_kvcache(q, cache, seqlens, table, softcap=30.0), fullgraph=True)
     assert torch.equal(fn(q), ref)
     out = torch.empty_like(q)

@@ -405,9 +405,22 @@ def test_out_of_range_slots_and_ring_rows_write_nothing():
             assert torch.equal(t.view(torch.uint8), old.view(torch.uint8)), "layer 1 written by a layer-0 insert"
 
 
+def nan_outputs(monkeypatch):
+    """From now on (until ``monkeypatch.undo()``) CUDA float tensors from torch.empty / empty_like come NaN-filled
+    (flatten_kv allocates its outputs with them): a row the kernel does not write, the zero rows past each
+    length included, shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_cuda and t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("mxfp4", "fp8"), ("int8", "bf16"), ("mxfp4_b16", "int8")])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_flatten_equals_reference(pair, head_dim):
+def test_flatten_equals_reference(pair, head_dim, monkeypatch):
     gen = torch.Generator().manual_seed(13)
     H, page, nb = 4, 16, 64
     cache = _make_cache(_fmt(pair[0]), _fmt(pair[1]), head_dim, page, nb, H, gen)
@@ -422,12 +435,16 @@ def test_flatten_equals_reference(pair, head_dim):
     slots = torch.cat([tables[i][torch.arange(L) // page] * page + torch.arange(L) % page
                        for i, L in enumerate(lens.tolist())])
     qattn.write_kv(cache, 0, k, v, slots.cuda())
-    kd, vd = qattn.flatten_kv(cache, 0, bt.cuda(), lens.cuda())
-    kr, vr = flatten_kv_reference(cache, 0, bt.cuda(), lens.cuda())
+    kr, vr = flatten_kv_reference(cache, 0, bt.cuda(), lens.cuda())  # (B, 250, H, D)
+    nan_outputs(monkeypatch)  # rows 250..259 of every sequence, and past each shorter length, must be written 0
+    kd, vd = qattn.flatten_kv(cache, 0, bt.cuda(), lens.cuda(), max_seqlen=260)
+    monkeypatch.undo()
     for got, want in ((kd, kr), (vd, vr)):
         want = want.to(torch.bfloat16)
-        assert got.shape == want.shape
-        assert torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
+        assert got.shape == (len(lens), 260, H, head_dim) and want.shape[1] == 250
+        assert torch.equal(got[:, :250].view(torch.int16).cpu(), want.view(torch.int16).cpu())
+        for i, L in enumerate(lens.tolist()):
+            assert not got[i, L:].any()
 
 
 def test_inspect_kv():

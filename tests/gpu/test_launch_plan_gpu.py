@@ -59,6 +59,8 @@ DENSE = [
     ("split tail", (1, 4096, 3, 3, 128), {}),  # a partial wave split over keys: zeroed counters in the plan
     ("long causal", (1, 4096, 2, 2, 128), {"causal": True, "softmax_scale": 0.1}),
     ("fp16 no smoothing", (2, 333, 4, 4, 64), {"smooth_k": False}),
+    ("softcap GQA", (2, 800, 4, 2, 128), {"softcap": 1.5}),
+    ("softcap fp8 causal D64", (1, 1500, 4, 4, 64), {"softcap": 30.0, "pv_dtype": "fp8", "causal": True}),
 ]
 
 
@@ -78,7 +80,8 @@ def test_dense_replay_equals_normal_path(poison_replays, name, shape, kw):
 
 
 VARLEN = [("int8", {}), ("fp8 causal", {"causal": True, "pv_dtype": "fp8"}), ("16-bit QK", {"qk_quant": None}),
-          ("per_block causal", {"granularity": "per_block", "causal": True})]
+          ("per_block causal", {"granularity": "per_block", "causal": True}),
+          ("softcap causal", {"causal": True, "softcap": 1.0})]
 
 
 @pytest.mark.parametrize("name,kw", VARLEN, ids=[c[0] for c in VARLEN])
@@ -257,7 +260,8 @@ DECODE = [("nvfp4", {}), ("fp8 split", {"fmt": "fp8", "num_splits": 3}),
           ("int8+nvfp4 GQA8 seqlen_q 2", {"fmt": ("int8", "nvfp4"), "sq": 2}),
           ("nvfp4 ring sinks", {"window": 32, "sinks": 4}), ("nvfp4 rotate", {"rotate": True}),
           ("nvfp4 out=", {"out": True}),
-          ("fp8 window", {"fmt": "fp8", "window_size": (40, 0)})]
+          ("fp8 window", {"fmt": "fp8", "window_size": (40, 0)}),
+          ("nvfp4 softcap split", {"num_splits": 2, "softcap": 30.0})]
 
 
 @pytest.mark.parametrize("name,kw", DECODE, ids=[c[0] for c in DECODE])
@@ -281,7 +285,8 @@ def test_decode_replay_equals_normal_path(name, kw):
     table = torch.arange(B * maxb, device="cuda", dtype=torch.int32).view(B, maxb)
     seq_slots = torch.arange(B, device="cuda", dtype=torch.int32) if ring else None
     Sq, H = kw.get("sq", 1), 32 if "GQA8" in name else 16
-    opts = dict(num_splits=kw.get("num_splits", 0), window_size=kw.get("window_size", (-1, -1)))
+    opts = dict(num_splits=kw.get("num_splits", 0), window_size=kw.get("window_size", (-1, -1)),
+                softcap=kw.get("softcap", 0.0))
     for call in range(5):
         layer = call % 2
         q = torch.randn(B, Sq, H, 128, device="cuda", generator=g).bfloat16()

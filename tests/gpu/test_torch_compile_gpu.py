@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import qattn
+from qattn.reference.kv_ops import flatten_kv_reference
+from tests.gpu.test_kv_insert_gpu import nan_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +91,7 @@ def test_compiled_ring_decode_step_matches_eager():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_flatten_kv_matches_eager():
+def test_compiled_flatten_kv_matches_eager(monkeypatch):
     """flatten_kv(max_seqlen=N) compiled (the qattn::flatten_kv op) == eager; rows past each length are zero,
     also past the longest one; a max_seqlen below the longest sequence is an error."""
     dev = torch.device("cuda")
@@ -104,14 +106,21 @@ def test_compiled_flatten_kv_matches_eager():
         qattn.write_kv(cache, 0, k, torch.randn_like(k), table[b, pos // P].long() * P + pos % P)
     compiled = torch.compile(lambda lens, table: qattn.flatten_kv(cache, 0, table, lens, max_seqlen=90),
                              fullgraph=True)
+
+    compiled(lens, table)  # traced and compiled here, outside the poisoning below
+    kr, vr = flatten_kv_reference(cache, 0, table, lens)
+    nan_outputs(monkeypatch)  # the outputs come NaN-filled: rows the kernel does not write show
     kc, vc = compiled(lens, table)
     ke, ve = qattn.flatten_kv(cache, 0, table, lens, max_seqlen=90)
     k0, v0 = qattn.flatten_kv(cache, 0, table, lens)
+    monkeypatch.undo()
     torch.cuda.synchronize()
     assert kc.shape == (B, 90, Hk, D) and k0.shape == (B, 77, Hk, D)
     assert torch.equal(kc, ke) and torch.equal(vc, ve)
     assert torch.equal(ke[:, :77], k0) and torch.equal(ve[:, :77], v0)
-    assert not ke[:, 77:].any() and not ve[:, 77:].any()
+    assert torch.equal(k0, kr.bfloat16()) and torch.equal(v0, vr.bfloat16())
+    for b, L in enumerate(lens.tolist()):  # zero past each length, also past the longest one
+        assert not ke[b, L:].any() and not ve[b, L:].any() and not k0[b, L:].any()
     with pytest.raises(ValueError, match="shorter than the longest"):
         qattn.flatten_kv(cache, 0, table, lens, max_seqlen=76)
 
