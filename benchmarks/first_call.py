@@ -3,9 +3,10 @@
     python benchmarks/first_call.py            # needs an SM90 GPU; uses a temporary QATTN_CACHE_DIR
 
 Each run is a new Python process (as a server start-up is): it imports qattn and CuTe-DSL (timed separately,
-'imports'), then times the first call of prefill (``flash_attn_func``: Q/K prepass + attention, 3 kernels),
-``write_kv``, ``flash_attn_with_kvcache`` and ``flatten_kv``, each to completion (synchronized). Cold: every
-variant is compiled; warm: every variant is loaded from the disk cache the cold run filled.
+'imports'), then times the first call of prefill (``flash_attn_func``; on SM90 the K prepass, one to three
+kernels, then the attention kernel, which quantizes Q itself), ``write_kv``, ``flash_attn_with_kvcache`` and
+``flatten_kv``, each to completion (synchronized). Cold: every variant is compiled; warm: every variant is loaded
+from the disk cache the cold run filled.
 """
 
 import json
@@ -30,7 +31,7 @@ lens = torch.tensor([300, 500], dtype=torch.int32, device="cuda")
 qd = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
 slots = torch.arange(512, device="cuda")
 times = {"imports": t_imp}
-for name, fn in (("prefill (3 kernels)", lambda: qattn.flash_attn_func(q, k, k, causal=True)),
+for name, fn in (("prefill", lambda: qattn.flash_attn_func(q, k, k, causal=True)),
                  ("write_kv", lambda: qattn.write_kv(cache, 0, k[0], k[0], slots)),
                  ("decode", lambda: qattn.flash_attn_with_kvcache(qd, cache, lens, tbl)),
                  ("flatten_kv", lambda: qattn.flatten_kv(cache, 0, tbl, lens))):

@@ -2,19 +2,22 @@
 
 Inputs are random (never zeros); every implementation of a config sees identical inputs; errors are taken
 against an fp64 reference over unquantized inputs on the first few sequences (what a user loses in total:
-format error plus kernel error). A qattn entry point that does not exist yet gives a row saying so.
+format error plus kernel error), from a call made after the timing (a launch-plan replay, as the timed calls
+are; with ``out=``, whose tensor makes a new signature, the third call, which replays that one's plan) into
+NaN-poisoned output memory (rows a kernel leaves unwritten give NaN errors, never another
+implementation's output). A qattn entry point that does not exist yet gives a row saying so.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
 from ..layouts import PagedKVCache, kv_formats
 from ..reference import attention_reference
 from . import peers as P
-from .metrics import DecodeShape, PrefillShape, attention_flops, decode_bytes, errors, insert_bytes
+from .metrics import DecodeShape, Errors, PrefillShape, attention_flops, decode_bytes, errors, insert_bytes
 from .timing import bench, bench_interleaved
 
 DECODE_SHAPES = [DecodeShape(32, 8192, 32, 8, 128, 128), DecodeShape(8, 32768, 32, 8, 128, 128),
@@ -22,6 +25,26 @@ DECODE_SHAPES = [DecodeShape(32, 8192, 32, 8, 128, 128), DecodeShape(8, 32768, 3
                  DecodeShape(32, 8192, 32, 8, 128, 16)]
 PREFILL_SHAPES = [PrefillShape(2, s, 16, 16, d, c) for d in (128, 64) for s in (2048, 4096, 8192, 16384)
                   for c in (False, True)]
+PEERS = ("fa4", "sdpa", "sage")  # every peer name the benches know (peers.available)
+DECODE_PEERS = ("fa4", "sdpa")  # those with a decode implementation; sage gets a row saying it has none
+NO_DECODE = "SageAttention has no paged decode (prefill only): not timed"
+PREFILL_LEGEND = ("scopes: eager = 10 back-to-back eager calls per sample (host launch cost hidden while shorter "
+                  "than the GPU work); graph = the same call replayed from a CUDA graph; kernel = the attention "
+                  "kernel alone, launched as flash_attn_func launches it (SM90: the 16-bit Q, quantized inside "
+                  "the kernel, and K quantized once beforehand, outside the timing; 'qattn 16-bit QK': flash_attn_func(qk_quant=None), which has no prepass); "
+                  "end-to-end = flash_attn_func (prepass + kernel); prepass = what flash_attn_func launches before "
+                  "the kernel (CUDA graph) and its share of the end-to-end graph time. Errors: the last 1024 query "
+                  "rows of sequence 0 against fp64 attention.")
+
+
+def check_peers(bench_name: str, peers) -> None:
+    """Raises ValueError for a peer name no bench knows, or any peer for ``insert`` (its baseline is torch's
+    own paged scatter): before anything is measured."""
+    if bench_name == "insert" and peers:
+        raise ValueError("insert has no peers (its baseline is torch's index_copy_)")
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer(s) {', '.join(map(repr, bad))}; expected some of {', '.join(PEERS)}")
 
 
 def _ours(name: str):
@@ -60,6 +83,56 @@ def _row(config, impl, fmt, scope, t, nbytes=None, flops=None, copy_gbs=None, er
 
 SCOPES = (("eager", False), ("graph", True))  # decode: launched from Python, and replayed from a CUDA graph
 
+# The third call of a signature replays its launch plan (the first takes the normal path, the second records it),
+# as the timed calls do
+_REPLAY_CALLS = 3
+
+
+def _errors_into(fn, like: torch.Tensor, ref: torch.Tensor, sel) -> Errors:
+    """Errors of ``fn(out=...)`` (an API that takes ``out``) on ``out[sel]``: ``out`` shaped like ``like``,
+    NaN-filled before each call, called until its launch plan replays (a new ``out`` is a new signature)."""
+    out = torch.empty_like(like)
+    for _ in range(_REPLAY_CALLS):
+        out.fill_(float("nan"))
+        fn(out=out)
+    return errors(out[sel], ref)
+
+
+def _within(span: tuple, spans: list) -> bool:
+    """Whether the byte range ``span`` lies inside the union of ``spans``."""
+    lo, hi = span
+    for a, b in sorted(spans):
+        if a <= lo < b:
+            lo = b
+        if lo >= hi:
+            return True
+    return False
+
+
+def _poisoned_call(fn, like: torch.Tensor) -> tuple:
+    """``(fn(), poisoned)``, the call's output allocated from NaN-filled memory where ``poisoned``. For an API
+    without ``out``: torch's allocator hands out memory it caches, so the cache is emptied, then three tensors
+    like the output are NaN-filled and freed (three: buffers the call allocates before its output, e.g. a launch
+    plan's workspace or SageAttention's int8 Q and K, take the first ones). ``poisoned`` checks that the output's
+    storage lies inside them (the allocator promises nothing)."""
+    torch.cuda.empty_cache()
+    scratch = [torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device) for _ in range(3)]
+    spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in scratch]
+    del scratch
+    out = fn()
+    st = out.untyped_storage()
+    return out, _within((st.data_ptr(), st.data_ptr() + st.nbytes()), spans)
+
+
+_NOT_POISONED = "output memory not NaN-poisoned for the error check (allocator)"
+
+
+def _errors_after(fn, like: torch.Tensor, ref: torch.Tensor, sel) -> tuple:
+    """``(errors, note)`` of a call of ``fn`` made after its timing (a launch-plan replay) into poisoned memory
+    (:func:`_poisoned_call`); the note says when the poisoning did not take."""
+    out, poisoned = _poisoned_call(fn, like)
+    return errors(out[sel], ref), "" if poisoned else _NOT_POISONED
+
 
 def _speedups(rows: list[dict], baseline: str, match_scope: bool = True) -> None:
     """Speed-up over the baseline implementation of the same config and (with ``match_scope``) scope: eager vs
@@ -74,10 +147,13 @@ def _speedups(rows: list[dict], baseline: str, match_scope: bool = True) -> None
             r["speedup"] = base["median_us"] / r["median_us"]
 
 
-def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("fa4", "sdpa"), copy_gbs=None,
-               reps=30, err_seqs=2, log=print) -> tuple[list[dict], str]:
-    rows, dev = [], "cuda"
-    have = {p: P.available(p) for p in peers}
+def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=DECODE_PEERS, copy_gbs=None,
+               reps=30, err_seqs=2, log=print, device="cuda") -> tuple[list[dict], str]:
+    """Paged decode rows: each peer (bf16) and qattn per KV format, eager and CUDA graph, plus qattn's whole
+    decode step (write_kv + attention) in a graph. ``device``: "cuda" (the CPU serves the harness's tests)."""
+    check_peers("decode", peers)
+    rows, dev = [], device
+    have = {p: P.available(p) if p in DECODE_PEERS else (False, NO_DECODE) for p in peers}
     baseline = next((p for p in peers if have[p][0]), None)
     for sh in shapes:
         log(f"decode {sh.label}")
@@ -89,8 +165,8 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
         per = -(-S // Pg)
         table = torch.randperm(B * per, device=dev, generator=g).view(B, per).to(torch.int32)
         lens = torch.full((B,), S, dtype=torch.int32, device=dev)
-        e = min(B, err_seqs)
-        ref = attention_reference(q[:e], k[:e], v[:e], causal=True)
+        e = slice(0, min(B, err_seqs))
+        ref = attention_reference(q[e], k[e], v[e], causal=True)
         for p in peers:
             ok, note = have[p]
             if not ok:
@@ -103,15 +179,16 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
                 kp[table.long()] = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(B, per, Pg, Hk, D)
                 vp[table.long()] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(B, per, Pg, Hk, D)
                 fn = P.fa4_paged_decode(q, kp, vp, table, lens)
-            else:
+            elif p == "sdpa":
                 fn = P.sdpa_dense(q, k, v, causal=True)
-            out = fn()
-            err = errors(out[:e], ref)
-            for scope, graph in SCOPES:
-                t = bench(fn, warmup=5, reps=reps, use_graph=graph)
+            else:  # DECODE_PEERS and this mapping go together
+                raise AssertionError(f"no decode implementation for peer {p!r}")
+            times = {scope: bench(fn, warmup=5, reps=reps, use_graph=graph) for scope, graph in SCOPES}
+            err, note = _errors_after(fn, q, ref, e)
+            for scope, t in times.items():
                 rows.append(_row(sh.label, p, "bf16", scope, t, decode_bytes(sh, "bf16"), copy_gbs=copy_gbs,
-                                 err=err, kv_bpt=2 * 2 * D))
-            del fn, out
+                                 err=err, kv_bpt=2 * 2 * D, note=note))
+            del fn
         attn = _ours("flash_attn_with_kvcache")
         for fmt in formats:
             kf, vf = kv_formats(fmt)
@@ -123,11 +200,10 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
                 continue
             cache = PagedKVCache(1, B * per, Pg, Hk, D, fmt, device=dev)
             _fill(cache, k, v, table)
-            fn = (lambda c=cache: attn(q, c, lens, table))
-            out = fn()
-            err = errors(out[:e], ref)
-            for scope, graph in SCOPES:
-                t = bench(fn, warmup=5, reps=reps, use_graph=graph)
+            fn = (lambda out=None, c=cache: attn(q, c, lens, table, out=out))
+            times = {scope: bench(fn, warmup=5, reps=reps, use_graph=graph) for scope, graph in SCOPES}
+            err = _errors_into(fn, q, ref, e)
+            for scope, t in times.items():
                 rows.append(_row(sh.label, "qattn", name, scope, t, decode_bytes(sh, fmt), copy_gbs=copy_gbs,
                                  err=err, kv_bpt=bpt))
             write = _ours("write_kv")
@@ -140,12 +216,13 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
                 k_new, v_new = k[:, -1].contiguous(), v[:, -1].contiguous()
                 step = (lambda c=cache: (write(c, 0, k_new, v_new, slots), attn(q, c, lens, table))[1])
                 t = bench(step, warmup=5, reps=reps, use_graph=True)
-                row = _row(sh.label, "qattn", name, "step graph", t, None, copy_gbs=copy_gbs,
-                           err=errors(step()[:e], ref), kv_bpt=bpt,
-                           note="write_kv of 1 token/seq + attention; speed-up vs the peer's attention graph")
+                err, note = _errors_after(step, q, ref, e)
+                row = _row(sh.label, "qattn", name, "step graph", t, None, copy_gbs=copy_gbs, err=err, kv_bpt=bpt,
+                           note="write_kv of 1 token/seq + attention; speed-up vs the peer's attention graph"
+                                + (f"; {note}" if note else ""))
                 row["base_scope"] = "graph"
                 rows.append(row)
-            del cache, fn, out
+            del cache, fn
         del q, k, v
         torch.cuda.empty_cache()
     if baseline:
@@ -153,113 +230,142 @@ def run_decode(shapes=DECODE_SHAPES, formats=("nvfp4", "fp8", "bf16"), peers=("f
     return rows, baseline or "-"
 
 
-def _qattn_prefill_kernel_only(q, k, v, causal):
+def _kernel_quantizes_q(q) -> bool:
+    """Whether flash_attn_func's attention kernel quantizes Q itself here (SM90) or takes the prepass's int8 Q."""
+    from ..interface.prefill import _kernel_quantizes_q
+
+    return _kernel_quantizes_q(q, "per_warp")
+
+
+def _qattn_prefill_kernel_only(q, k, v, causal, fp8=False):
+    """The attention kernel alone, launched as ``flash_attn_func(q, k, v, causal=causal)`` (``fp8``: with
+    ``pv_dtype="fp8"``) launches it (``interface.prefill._flash_attn_func_eager``), on what its prepass makes,
+    made once here, outside the timing: on SM90 the 16-bit Q (``q_scale=None``: the kernel quantizes it) and the
+    K prepass's int8 K; elsewhere (SM100) the Q/K prepass's int8 Q and K; with ``fp8`` the V prepass's E4M3 V^T.
+    Not ``_pdl``: that flag promises that the launch just before is this call's prepass, and here it is the
+    previous kernel call (the overlap with the prepass shows in the end-to-end row). Returns ``fn(out=None)``."""
     from ..interface.prefill import prefill_int8
-    from ..quant.launch import quantize_qk_int8
+    from ..quant.launch import quantize_k_int8, quantize_qk_int8
 
-    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
-    return lambda: prefill_int8(q8, qs, k8, ks, v, causal=causal)
+    if _kernel_quantizes_q(q):
+        q8, qs = q, None
+        k8, ks, _ = quantize_k_int8(k)
+    else:
+        q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
+    kw = {}
+    if fp8:
+        from ..quant.v_fp8 import quantize_v_fp8
+
+        v, vs = quantize_v_fp8(v)
+        kw = dict(pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
+    return lambda out=None: prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True, out=out, **kw)[0]
 
 
-def _qattn_prefill_fp8pv_kernel_only(q, k, v, causal):
-    from ..interface.prefill import prefill_int8
-    from ..quant.launch import quantize_qk_int8
+def _qattn_prefill_prepass(q, k, v, causal, balance=False, fp8=False):
+    """What ``flash_attn_func`` launches before its attention kernel, to report its share of the end-to-end
+    time: on SM90 the K prepass (``balance``: ``balance_qk=True``, which also reads Q's column amax), elsewhere
+    the Q/K prepass; with ``fp8`` then the V prepass, as there a programmatic dependent of the K prepass
+    (``_pdl=True``: the K prepass does not write V)."""
+    from ..quant.launch import quantize_k_int8, quantize_qk_int8
     from ..quant.v_fp8 import quantize_v_fp8
 
-    q8, qs, k8, ks, _ = quantize_qk_int8(q, k)
-    vt, vs = quantize_v_fp8(v)
-    return lambda: prefill_int8(q8, qs, k8, ks, vt, causal=causal, pv_dtype="fp8", v_scale=vs, out_dtype=q.dtype)
+    if _kernel_quantizes_q(q):
+        qk = lambda: quantize_k_int8(k, balance_q=q if balance else None)  # noqa: E731
+    else:
+        qk = lambda: quantize_qk_int8(q, k, balance_qk=balance)  # noqa: E731
+    return (lambda: (qk(), quantize_v_fp8(v, _pdl=True))) if fp8 else qk
 
 
-def _qattn_prefill_prepass(q, k, v, causal):
-    """The prepass that flash_attn_func launches on SM90 (per_warp q scales: K only, Q is quantized inside the
-    attention kernel), to report its share of the end-to-end time."""
-    from ..quant.launch import quantize_k_int8
+def _prefill_impls(peers, ours) -> list:
+    """``(name, maker(q, k, v, causal) -> fn, scope)`` of one prefill shape (maker None: not built yet)."""
+    make = {"fa4": P.fa4_dense, "sage": P.sage_dense, "sdpa": P.sdpa_dense}
 
-    return lambda: quantize_k_int8(k)
+    def call(**kw):  # maker of one flash_attn_func call with these options (None until it exists)
+        return (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, **kw))) if ours else None
+
+    def mk(f, **kw):  # a qattn maker with these options (None until flash_attn_func exists)
+        return functools.partial(f, **kw) if ours else None
+
+    impls = [(p, make[p], "eager") for p in peers]
+    # kernel: the attention kernel as flash_attn_func launches it, its prepass made beforehand; end-to-end:
+    # flash_attn_func (the K prepass + the kernel quantizing Q itself); prepass: what flash_attn_func launches
+    # before the kernel
+    impls.append(("qattn int8-QK", mk(_qattn_prefill_kernel_only), "kernel"))
+    impls.append(("qattn int8-QK", call(), "end-to-end"))
+    impls.append(("qattn int8-QK", mk(_qattn_prefill_prepass), "prepass"))
+    impls.append(("qattn int8-QK balanced", call(balance_qk=True), "end-to-end"))
+    impls.append(("qattn int8-QK balanced", mk(_qattn_prefill_prepass, balance=True), "prepass"))
+    impls.append(("qattn 16-bit QK", call(qk_quant=None), "kernel"))  # the same kernel unquantized: the A/B
+    impls.append(("qattn int8-QK fp8-PV", mk(_qattn_prefill_kernel_only, fp8=True), "kernel"))
+    impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "end-to-end"))
+    impls.append(("qattn int8-QK fp8-PV", mk(_qattn_prefill_prepass, fp8=True), "prepass"))
+    # GPU time of the same calls (CUDA graph): at short lengths an eager call can be host-bound (FA4's Python at
+    # S2K: ~100-180 us per call on a lent H100's host, more than its kernel), so these rows compare the GPU work
+    # alone, each against FA4's graph row; each prepass's share is of its variant's graph row
+    if "fa4" in peers:
+        impls.append(("fa4", make["fa4"], "graph"))
+    impls.append(("qattn int8-QK", call(), "graph"))
+    impls.append(("qattn int8-QK balanced", call(balance_qk=True), "graph"))
+    impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "graph"))
+    return impls
 
 
-def _qattn_prefill_balanced_prepass(q, k, v, causal):
-    """flash_attn_func(balance_qk=True)'s prepass on SM90: K, with Q's column amax for the channel balance."""
-    from ..quant.launch import quantize_k_int8
-
-    return lambda: quantize_k_int8(k, balance_q=q)
-
-
-def _qattn_prefill_fp8pv_prepass(q, k, v, causal):
-    from ..quant.launch import quantize_k_int8
-    from ..quant.v_fp8 import quantize_v_fp8
-
-    return lambda: (quantize_k_int8(k), quantize_v_fp8(v))
+def _prepass_note(impls, times, i) -> str:
+    """A prepass row's note: its GPU time as a share of its variant's end-to-end graph time (both graphs)."""
+    name = impls[i][0]
+    j = next((j for j, (n, _, scope) in enumerate(impls) if n == name and scope == "graph" and j in times), None)
+    share = "n/a" if j is None else f"{100 * times[i].median_us / times[j].median_us:.1f}%"
+    return f"GPU time (graph), {share} of the end-to-end graph time"
 
 
-def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=20, log=print):
-    rows, dev = [], "cuda"
+PREFILL_ERR_ROWS = 1024  # query rows of sequence 0 whose errors a prefill row reports
+
+
+def run_prefill(shapes=PREFILL_SHAPES, peers=("fa4", "sage", "sdpa"), reps=30, log=print, device="cuda"):
+    """Dense prefill rows (legend: ``PREFILL_LEGEND``), all implementations of a shape timed in turns.
+    ``device``: "cuda" (the CPU serves the harness's tests)."""
+    check_peers("prefill", peers)
+    rows, dev = [], device
     have = {p: P.available(p) for p in peers}
     baseline = next((p for p in peers if have[p][0]), None)
-    make = {"fa4": P.fa4_dense, "sage": P.sage_dense, "sdpa": P.sdpa_dense}
+    ours = _ours("flash_attn_func")
+    impls = _prefill_impls(peers, ours)
     for sh in shapes:
         log(f"prefill {sh.label}")
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(sh.batch, sh.seqlen, h, sh.head_dim, device=dev, generator=g, dtype=torch.bfloat16)
                    for h in (sh.num_heads, sh.num_kv_heads, sh.num_kv_heads))
         flops = attention_flops(sh.batch, sh.num_heads, sh.seqlen, sh.seqlen, sh.head_dim, sh.causal)
-        ref = attention_reference(q[:1, :1024], k[:1], v[:1], causal=sh.causal) if not sh.causal else None
-        impls = [(p, make[p], "eager") for p in peers]
-        ours = _ours("flash_attn_func")
-
-        def call(**kw):  # maker of one flash_attn_func call with these options (None until it exists)
-            return (lambda q, k, v, causal: (lambda: ours(q, k, v, causal=causal, **kw))) if ours else None
-
-        # kernel-only: the attention kernel on Q/K quantized once beforehand; end-to-end: flash_attn_func (the K
-        # prepass + the kernel quantizing Q itself); prepass: what flash_attn_func launches before the kernel
-        impls.append(("qattn int8-QK", _qattn_prefill_kernel_only if ours else None, "kernel"))
-        impls.append(("qattn int8-QK", call(), "end-to-end"))
-        impls.append(("qattn int8-QK", _qattn_prefill_prepass if ours else None, "prepass"))
-        impls.append(("qattn int8-QK balanced", call(balance_qk=True), "end-to-end"))
-        impls.append(("qattn int8-QK balanced", _qattn_prefill_balanced_prepass if ours else None, "prepass"))
-        impls.append(("qattn 16-bit QK", call(qk_quant=None), "kernel"))  # the same kernel unquantized: the A/B
-        impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_kernel_only if ours else None, "kernel"))
-        impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "end-to-end"))
-        impls.append(("qattn int8-QK fp8-PV", _qattn_prefill_fp8pv_prepass if ours else None, "prepass"))
-        # GPU time of the same calls (CUDA graph): at short lengths an eager call can be host-bound (FA4's Python
-        # at S2K: ~100-180 us per call on a lent H100's host, more than its kernel), so these rows compare the GPU
-        # work alone, each against FA4's graph row
-        if "fa4" in peers:
-            impls.append(("fa4", make["fa4"], "graph"))
-        impls.append(("qattn int8-QK", call(), "graph"))
-        impls.append(("qattn int8-QK fp8-PV", call(pv_dtype="fp8"), "graph"))
-        # every implementation's output checked first, then all of them timed in turns (``bench_interleaved``),
-        # so that the GPU's clock drift over the run weighs on each alike
-        fns, errs, notes = {}, {}, {}
+        # the last query rows of sequence 0 against all its keys: the reference's causal mask is end-aligned
+        # (query i sees keys j <= i + Sk - Sq), so these rows see exactly the keys they see in the full problem
+        sel = (slice(0, 1), slice(-PREFILL_ERR_ROWS, None))
+        ref = attention_reference(q[sel], k[:1], v[:1], causal=sh.causal)
+        # all implementations timed in turns (``bench_interleaved``), so that the GPU's clock drift over the run
+        # weighs on each alike; then each one's output checked
+        fns, notes = {}, {}
         for i, (name, mk, scope) in enumerate(impls):
             ok, note = have.get(name, (mk is not None, "qattn.flash_attn_func not built yet"))
-            if not ok:
+            if ok:
+                fns[i] = mk(q, k, v, sh.causal)
+            else:
                 notes[i] = note
-                continue
-            fns[i] = mk(q, k, v, sh.causal)
-            out = fns[i]()
-            if scope != "prepass":  # no attention output
-                errs[i] = errors(out[:1, :1024], ref) if ref is not None else None
-            del out
-        # the prepass in a CUDA graph: its GPU time (eager, the host's launch cost of two or three small kernels
-        # would dominate it, while in the end-to-end row that cost overlaps the GPU's work)
+        # the prepass in a CUDA graph, as the end-to-end graph row its share is of (no launch gaps in either)
         times = bench_interleaved(fns, reps=reps, graph_keys=[i for i in fns if impls[i][2] in ("prepass", "graph")])
-        del fns
         for i, (name, mk, scope) in enumerate(impls):
             if i in notes:
                 rows.append(_row(sh.label, name, None, scope, None, note=notes[i]))
-            elif scope == "prepass":  # no FLOPs; its share of the end-to-end time
-                r = _row(sh.label, name, None, scope, times[i])
-                e2e = next((x for x in rows if x["config"] == sh.label and x["impl"] == name
-                            and x["scope"] == "end-to-end" and x.get("median_us")), None)
-                if e2e is not None:
-                    r["note"] = f"GPU time (graph), {100 * times[i].median_us / e2e['median_us']:.1f}% of end-to-end"
-                rows.append(r)
+            elif scope == "prepass":  # no attention output, no FLOPs
+                rows.append(_row(sh.label, name, None, scope, times[i], note=_prepass_note(impls, times, i)))
             else:
-                rows.append(_row(sh.label, name, None, scope, times[i], flops=flops, err=errs[i]))
+                if getattr(mk, "func", None) is _qattn_prefill_kernel_only:  # prefill_int8 takes out=
+                    err, note = _errors_into(fns[i], q, ref, sel), ""
+                else:
+                    err, note = _errors_after(fns[i], q, ref, sel)
+                rows.append(_row(sh.label, name, None, scope, times[i], flops=flops, err=err, note=note))
                 # kernel and end-to-end rows against the peer's eager row, graph rows against its graph row
                 rows[-1]["base_scope"] = "graph" if scope == "graph" else "eager"
+        del fns, q, k, v
+        torch.cuda.empty_cache()
     if baseline:
         _speedups(rows, baseline)
     return rows, baseline or "-"

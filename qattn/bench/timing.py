@@ -1,5 +1,6 @@
-"""GPU timing done right: CUDA events, warm-up, medians, rotating inputs, optional CUDA-graph replay,
-and the two ceilings (device copy bandwidth, bf16 GEMM rate) measured in the same run."""
+"""GPU timing done right: CUDA events around back-to-back calls, warm-up, medians, optional rotating inputs,
+optional CUDA-graph replay, and the two ceilings (device copy bandwidth, bf16 GEMM rate) measured in the same
+run."""
 
 from __future__ import annotations
 
@@ -58,10 +59,17 @@ def _prepared_calls(fn: Callable[..., object], arg_sets: Sequence[tuple], warmup
 
 
 def _samples(calls: list[Callable[[], object]], reps: int, inner: int, first: int = 0) -> list[float]:
-    """``reps`` samples in µs per call, each ``inner`` calls between two CUDA events."""
+    """``reps`` samples in µs per call, each ``inner`` calls between two CUDA events.
+
+    A sample starts after a synchronize, on an empty queue: were its start event recorded first, it would fire
+    at once and the sample would include the host time of its first call. So one untimed call goes first and
+    the start event fires when it completes: if the host is faster than the GPU the timed calls are queued by
+    then (the sample is GPU time of back-to-back calls), if slower the sample is the host-bound period, as a
+    loop of eager calls sees it (each timed call's host time, and no first-call extra)."""
     times = []
     for i in range(first, first + reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        calls[(i * inner - 1) % len(calls)]()  # untimed: the start event fires after it
         start.record()
         for j in range(inner):
             calls[(i * inner + j) % len(calls)]()
@@ -77,14 +85,15 @@ def _timing(times: list[float]) -> Timing:
 
 def bench(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *, warmup: int = 10, reps: int = 30,
           inner: int = 10, use_graph: bool = False) -> Timing:
-    """Time ``fn(*args)`` with CUDA events, rotating through ``arg_sets`` (several input sets, so that
-    repeated calls do not find their inputs in L2).
+    """Time ``fn(*args)`` with CUDA events: the median of ``reps`` samples, rotating through ``arg_sets`` (pass
+    several input sets to keep repeated calls from finding their inputs in L2; the runners pass one: decode's
+    and insert's inputs are many times L2, prefill re-reads K and V from L2 within each call anyway).
 
-    Each sample enqueues ``inner`` calls back to back between two events and divides by ``inner``: once the
-    GPU queue is full, host-side launch overhead (Python, argument checks) is hidden as long as it is shorter
-    than the kernel, as in a serving loop. A sample of one call would time the host instead. With
-    ``use_graph``, each call is captured once per arg set in a CUDA graph and replays are timed (what engines
-    do for decode steps; no launch overhead at all)."""
+    Each sample enqueues ``inner`` calls back to back between two events and divides by ``inner``; the start
+    event fires when an untimed call before them completes (:func:`_samples`). Once the queue is full, host-side
+    launch overhead (Python, argument checks) is hidden as long as it is shorter than the kernel, as in a
+    serving loop; a host slower than the GPU shows. With ``use_graph``, each call is captured once per arg set
+    in a CUDA graph and replays are timed (what engines do for decode steps; a replay's host cost is a few µs)."""
     return _timing(_samples(_prepared_calls(fn, arg_sets, warmup, use_graph), reps, inner))
 
 
@@ -110,8 +119,8 @@ def bench_interleaved(fns: dict, *, rounds: int = 2, reps: int = 20, warmup: int
     power the running kernels draw with a delay of a fraction of a second (measured, B2 H16 D128 S8K, 6 s of
     back-to-back calls each: FA4 ~1510 MHz, the INT8-QK kernel ~1630 MHz, both at ~698 W). Samples taken right
     after another implementation ran would measure this one at that one's clock. Taking turns spreads a slow
-    drift (temperature) over all of them. ``graph_keys``: those timed as CUDA-graph replays. Returns
-    ``{key: Timing}`` over all of a key's samples."""
+    drift (temperature) over all of them. ``graph_keys``: those timed as CUDA-graph replays, the others as eager
+    calls (both as in :func:`bench`). Returns ``{key: Timing}`` over all of a key's samples."""
     calls = {k: _prepared_calls(f, ((),), warmup, k in graph_keys) for k, f in fns.items()}
     per_round = max(1, -(-reps // rounds))
     times: dict = {k: [] for k in fns}

@@ -12,9 +12,11 @@ import torch
 
 
 def main(argv=None) -> int:
+    from .runner import GRIDS
+
     p = argparse.ArgumentParser(prog="python -m qattn.eval", description=__doc__)
-    p.add_argument("--grid", default="full", help="named grid: full (default, docs/accuracy.md) | quick | extra | sink | cross (ignored when --config is "
-                        "given)")
+    p.add_argument("--grid", default="full", choices=list(GRIDS),
+                   help="named grid (default full, docs/accuracy.md; ignored when --config is given)")
     p.add_argument("--config", action="append", default=[],
                    help="config spec K[/V][+s][+r][@W][^N][%%G][~bf16], e.g. 'int8/nvfp4+s+r@64', 'mxfp4:rceil+r', "
                         "'nvfp4:mse+r' (block-scale search), 'nvfp4+r%%pow2' (NVFP4 global-scale policy: max, pow2, "
