@@ -102,7 +102,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int8, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
@@ -340,17 +340,17 @@ class QKInt8PrefillSm90:
         # Two copies of the QK^T MMA, for the first k-block (overwrite) and the others (accumulate): the
         # ACCUMULATE field is set once per copy at the top of the consumer, never inside a staged branch.
         mma_qk, mma_qk_acc = [sm90_utils.make_trivial_tiled_mma(
-            self.qk_ab, self.qk_ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, self.qk_acc,
+            self.qk_ab, self.qk_ab, OperandMajorMode.K, OperandMajorMode.K, self.qk_acc,
             (TM // 64, 1, 1), (64, TN)) for _ in range(2)]
         mma_pv0 = None
         if cutlass.const_expr(self.fp8):
             # two copies again: each tile's P x V starts from zero (first k-block) and accumulates (the others)
             mma_pv, mma_pv0 = [sm90_utils.make_trivial_tiled_mma(
-                Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+                Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32,
                 (TM // 64, 1, 1), (64, D), warpgroup.OperandSource.RMEM) for _ in range(2)]
         else:
             mma_pv = sm90_utils.make_trivial_tiled_mma(
-                vdt, vdt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
+                vdt, vdt, OperandMajorMode.K, OperandMajorMode.MN, Float32, (TM // 64, 1, 1),
                 (64, D), warpgroup.OperandSource.RMEM)
 
         sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, D), self.qk_ab, 1),
