@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["softcap_value", "softmax_scale_value"]
+__all__ = ["MAX_GRID_YZ", "softcap_value", "softmax_scale_value"]
+
+MAX_GRID_YZ = 65535  # CUDA's limit of a grid's y and z, where the kernels put heads, sequences or unit groups
 
 
 def softmax_scale_value(softmax_scale, head_dim: int) -> float:

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..cute_kernels.config_values import MAX_GRID_YZ
 from ..layouts.paged import PagedKVCache
 from ..quant.transforms import rotate_query_dense, unrotate_output_dense
 from .torch_ops import paged_decode_traced  # registers the custom ops
@@ -200,8 +201,8 @@ def _flash_attn_with_kvcache_eager(
         raise ValueError(f"head_dim: {D} is not supported by the SM90 decode kernel (64 or 128)")
     if B < 1 or Hq < 1:
         raise ValueError(f"q: batch ({B}) and num_heads ({Hq}) must be >= 1")
-    if B > 65535:  # the decode grid's z
-        raise ValueError(f"q: at most 65535 sequences per call (grid limit), got {B}")
+    if B > MAX_GRID_YZ:  # the decode grid's z
+        raise ValueError(f"q: at most {MAX_GRID_YZ} sequences per call (grid limit), got {B}")
     if Hq % H:
         raise ValueError(f"q: {Hq} query heads is not a multiple of the cache's {H} kv heads")
     group = Hq // H

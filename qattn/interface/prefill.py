@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..cute_kernels.config_values import MAX_GRID_YZ
 from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LONG_CAUSAL_KEYS, WARP_Q, PrefillConfig,
                                                lpt_group, seqlen_tile_m, split_tail_plan)
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
@@ -353,12 +354,9 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
     return out, lse
 
 
-_MAX_GRID_YZ = 65535  # the kernels' grids: heads on y, sequences on z
-
-
 def _check_grid(num_seqs: int, num_heads: int, name: str) -> None:
-    if max(num_seqs, num_heads) > _MAX_GRID_YZ:
-        raise ValueError(f"{name}: at most {_MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} and "
+    if max(num_seqs, num_heads) > MAX_GRID_YZ:  # heads on the grid's y, sequences on z
+        raise ValueError(f"{name}: at most {MAX_GRID_YZ} sequences and heads (grid limit), got {num_seqs} and "
                          f"{num_heads}")
 
 
@@ -892,7 +890,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
                                   pv_dtype: str = "bf16", softcap: float = 0.0):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
-    from ..quant.launch import _check_cu, _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
+    from ..quant.launch import _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pv_dtype)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included), as in flash_attn_func
@@ -915,7 +913,6 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
-        _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
         k8, ks, k_mean, *lam = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K,
                                                  balance_q=q if balance_qk else None, cu_seqlens_q=cu_seqlens_q,
                                                  max_seqlen_q=max_seqlen_q)

@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from ..cute_kernels.config_values import MAX_GRID_YZ as _MAX_GRID_YZ
 from ..interface.fast_launch import kernel_view as _kernel_view  # the rule of what kernels read in place
 from .qk_int8 import _check_blocks, _num_groups
 
@@ -42,7 +43,6 @@ __all__ = ["quantize_qk_int8", "quantize_qk_int8_varlen", "quantize_k_int8", "qu
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _HEAD_DIMS = (64, 128, 256)
-_MAX_GRID_YZ = 65535
 _MAX_I32 = 2**31 - 1
 _MAX_K_CHUNKS = 64  # partial sums per (sequence, head) column, added up once by ChunkReduce
 # up to this many chunks the K quantize kernel adds the partial sums itself (every CTA, the same fixed order as

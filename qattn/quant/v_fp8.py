@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from ..cute_kernels.config_values import MAX_GRID_YZ
 from .qk_int8 import _check_cu_seqlens
 from .reference import E4M3_MAX, _div_const, _safe_reciprocal, e4m3_decode, e4m3_encode
 
@@ -189,8 +190,8 @@ def quantize_v_fp8(v: torch.Tensor, *, _pdl: bool = False) -> tuple[torch.Tensor
     if not v.is_cuda:
         raise ValueError(f"v: expected a CUDA tensor, got device {v.device} (use quantize_v_fp8_reference on the CPU)")
     B, Sk, H, D = v.shape
-    if max(B, H) > 65535:
-        raise ValueError("v: at most 65535 batches / kv heads (grid limit)")
+    if max(B, H) > MAX_GRID_YZ:
+        raise ValueError(f"v: at most {MAX_GRID_YZ} batches / kv heads (grid limit)")
     dev = v.device
     sk_pad = _padded(Sk)
     if B * H * D * sk_pad >= 2**31 or Sk >= 2**30:
@@ -233,8 +234,8 @@ def quantize_v_fp8_varlen(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqle
     total, H, D = v.shape
     n = cu_seqlens_k.shape[0] - 1
     Sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", total, n)
-    if max(n, H) > 65535:
-        raise ValueError("v: at most 65535 sequences / kv heads (grid limit)")
+    if max(n, H) > MAX_GRID_YZ:
+        raise ValueError(f"v: at most {MAX_GRID_YZ} sequences / kv heads (grid limit)")
     dev = v.device
     keys = varlen_vt_keys(total, n)
     if H * D * keys >= 2**31 or max(total, Sk) >= 2**30:

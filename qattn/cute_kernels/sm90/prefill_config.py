@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from qattn.cute_kernels.config_values import softcap_value
+from qattn.cute_kernels.config_values import MAX_GRID_YZ, softcap_value
 
 __all__ = ["PrefillConfig", "BLOCK_Q", "WARP_Q", "BLOCK_K", "HEAD_DIMS", "LONG_CAUSAL_KEYS", "LPT_GROUP_KV_BYTES",
            "LPT_GROUP_UNITS", "default_early_kv_wait", "default_intra_wg_overlap", "lpt_group", "seqlen_tile_m",
@@ -93,7 +93,6 @@ def default_early_kv_wait(head_dim: int, pv_dtype: str = "bf16") -> bool:
 # to which grouping pays
 LPT_GROUP_UNITS = 8
 LPT_GROUP_KV_BYTES = 64 << 20
-_MAX_GRID_Z = 65535
 
 
 def lpt_group(cfg: "PrefillConfig", num_units: int, q_per_kv: int, keys_per_unit: int) -> int:
@@ -115,7 +114,7 @@ def lpt_group(cfg: "PrefillConfig", num_units: int, q_per_kv: int, keys_per_unit
     if num_units * unit_bytes > LPT_GROUP_KV_BYTES:
         return 1
     g = max(g for g in range(1, min(LPT_GROUP_UNITS, num_units) + 1) if num_units % g == 0)
-    return g if num_units // g <= _MAX_GRID_Z else 1  # the groups are the grid's z
+    return g if num_units // g <= MAX_GRID_YZ else 1  # the groups are the grid's z
 
 
 # split_tail_plan's cost model, in K/V tiles of one CTA: what a CTA costs besides its tiles (Q load and
