@@ -914,8 +914,8 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches
         k8, ks, k_mean, *lam = quantize_k_int8_varlen(k, cu_seqlens_k, max_seqlen_k, smooth_k=smooth_k, block_k=BLOCK_K,
-                                                 balance_q=q if balance_qk else None, cu_seqlens_q=cu_seqlens_q,
-                                                 max_seqlen_q=max_seqlen_q)
+                                                 **(dict(balance_q=q, cu_seqlens_q=cu_seqlens_q,
+                                                         max_seqlen_q=max_seqlen_q) if balance_qk else {}))
         lam = lam[0] if lam else None
     else:
         q8, qs, k8, ks, k_mean = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -484,12 +484,16 @@ def quantize_k_int8_varlen(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seql
                            block_k: int = 128, balance_q: torch.Tensor | None = None,
                            cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> tuple:
     """The K half of :func:`quantize_qk_int8_varlen`: ``(k_int8, k_scale, k_mean)``; with ``balance_q`` (packed
-    Q, its ``cu_seqlens_q`` and ``max_seqlen_q``) also ``qk_balance``, as in :func:`quantize_k_int8`."""
+    Q, its ``cu_seqlens_q`` and ``max_seqlen_q``) also ``qk_balance``, as in :func:`quantize_k_int8`.
+    ``cu_seqlens_q`` / ``max_seqlen_q`` without ``balance_q`` are a ValueError (they would not be read)."""
     _check_bools(smooth_k=smooth_k)
     _check_input(k, "k", 3, "(total_k, num_kv_heads, head_dim)")
     _check_blocks("per_block", block_k, block_k, block_k)
     _check_cu(cu_seqlens_k, "cu_seqlens_k", k.device)
     n = cu_seqlens_k.shape[0] - 1
+    if balance_q is None and (cu_seqlens_q is not None or max_seqlen_q is not None):
+        raise ValueError("cu_seqlens_q / max_seqlen_q: only read with balance_q (the packed Q of balance_qk); "
+                         "pass balance_q too, or neither")
     if balance_q is not None:
         _check_input(balance_q, "balance_q", 3, "(total_q, num_q_heads, head_dim)")
         _check_pair(balance_q, k)

@@ -52,6 +52,10 @@ def test_varlen_errors():
         quantize_qk_int8_varlen(q, k, cu_q, cu_k, 6, 7, warp_q=3)
     with pytest.raises(TypeError, match="smooth_k"):
         quantize_qk_int8_varlen(q, k, cu_q, cu_k, 6, 7, smooth_k=None)
+    # the K-only prepass reads cu_seqlens_q / max_seqlen_q only for balance_q: alone they would be ignored
+    for extra in (dict(cu_seqlens_q=cu_q), dict(max_seqlen_q=6), dict(cu_seqlens_q=cu_q, max_seqlen_q=6)):
+        with pytest.raises(ValueError, match=r"^cu_seqlens_q / max_seqlen_q: only read with balance_q"):
+            launch.quantize_k_int8_varlen(k, cu_k, 7, **extra)
 
 
 def test_kernel_view_in_place_or_copy():
