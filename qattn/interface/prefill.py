@@ -539,6 +539,14 @@ def prefill_int8_varlen(
     return (out, lse) if return_lse else out
 
 
+def _check_cuda_inputs(q, k, v, name: str) -> None:
+    """The last check before the first launch: q, k, v on one CUDA device (else the CPU reference is named)."""
+    if not q.is_cuda or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device} "
+                         f"({name} runs on the GPU; its fp64 CPU reference is qattn.reference.prefill_reference(q, "
+                         "k, v, qk_quant='int8'), per sequence for packed ones)")
+
+
 def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float,
                    window_size=(-1, -1), softcap: float = 0.0):
     """The unquantized A/B path of the same kernel (``qk_quant=None``): Q, K, V in one 16-bit dtype, fp32 scores.
@@ -748,6 +756,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
     lam = None  # the channel balance, for a kernel that quantizes Q itself
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
+    _check_cuda_inputs(q, k, v, "flash_attn_func")
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
@@ -910,6 +919,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     lam = None
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
+    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func")
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches

@@ -63,6 +63,24 @@ def test_flash_attn_func_rejects_unimplemented_modes():
 
 
 @pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+def test_cpu_tensors_point_to_the_cpu_reference(varlen, pv_dtype):
+    """Valid CPU inputs fail last, naming the fp64 CPU reference (not the prepass's hint)."""
+    from qattn.interface.prefill import flash_attn_varlen_func
+
+    q = torch.randn(1, 40, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 56, 2, 64, dtype=torch.bfloat16)
+    name = "flash_attn_varlen_func" if varlen else "flash_attn_func"
+    with pytest.raises(ValueError, match=r"^q, k, v: expected CUDA tensors on one device, got cpu, cpu, cpu \("
+                       + name + r" runs on the GPU; its fp64 CPU reference is qattn\.reference\.prefill_reference"):
+        if varlen:
+            cq, ck = (torch.tensor([0, n], dtype=torch.int32) for n in (40, 56))
+            flash_attn_varlen_func(q[0], k[0], k[0], cq, ck, 40, 56, pv_dtype=pv_dtype, causal=True)
+        else:
+            flash_attn_func(q, k, k, pv_dtype=pv_dtype, causal=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
 def test_flash_attn_keywords_at_their_off_values(varlen):
     """FlashAttention's dropout_p / window_size / softcap / alibi_slopes / deterministic: the "off" values (and
     the implemented window_size / softcap values) pass through (the call then fails only for want of a GPU);
