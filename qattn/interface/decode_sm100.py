@@ -9,12 +9,11 @@ kernel (+ ``combine.py`` for split-KV) from the shared compile cache with arch "
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from .variants import cache_for
-from .window import score_scale
+from .window import score_scale, softmax_scale_value
 
 __all__ = ["flash_attn_with_kvcache_sm100", "sm100_config_for"]
 
@@ -65,8 +64,7 @@ def flash_attn_with_kvcache_sm100(q, cache, cache_seqlens, block_table, *, seq_s
     arch = "sm_100a"
     kern = cache_for("decode").get(decode_sm100_cache_key(arch, cfg), lambda: compile_for_arch(
         DecodeSm100(cfg), *decode_sm100_compile_args(), arch=arch, keep_ptx=False)[0])
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+    softmax_scale = softmax_scale_value(softmax_scale, D)  # decode.py's rule (it resolved it already)
     q_data, q_sf, q_rs = quantize_q(q, H, cache.k_format, cfg.q_terms)
     lay = cache.layer(layer)
     if out is None:  # contiguous whatever q's strides: the kernel and the combine write (B, Sq, Hq, D) rows

@@ -539,12 +539,13 @@ def prefill_int8_varlen(
     return (out, lse) if return_lse else out
 
 
-def _check_cuda_inputs(q, k, v, name: str) -> None:
+def _check_cuda_inputs(q, k, v, name: str, qk_quant: str | None = "int8") -> None:
     """The last check before the first launch: q, k, v on one CUDA device (else the CPU reference is named)."""
     if not q.is_cuda or k.device != q.device or v.device != q.device:
+        mode = f", qk_quant={qk_quant!r}" if qk_quant else ""
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device} "
                          f"({name} runs on the GPU; its fp64 CPU reference is qattn.reference.prefill_reference(q, "
-                         "k, v, qk_quant='int8'), per sequence for packed ones)")
+                         f"k, v{mode}), per sequence for packed ones)")
 
 
 def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float,
@@ -553,8 +554,7 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
     varlen = cu_q is not None  # shapes, heads and sizes: _check_dense_inputs / _check_varlen_inputs (the callers)
     D, Hq, Hkv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if not q.is_cuda or k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
+    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func" if varlen else "flash_attn_func", qk_quant=None)
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
     window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
                             max_seqlen_k if varlen else k.shape[1])
