@@ -193,8 +193,6 @@ def _flash_attn_with_kvcache_eager(
     """
     # ---- validation (host-known facts only) ----
     _check_q(q, cache)
-    if not q.is_cuda:
-        raise ValueError(f"q: expected a CUDA tensor, got device {q.device}")
     B, Sq, Hq, D = q.shape
     H = cache.num_kv_heads
     if D not in (64, 128):
@@ -235,6 +233,9 @@ def _flash_attn_with_kvcache_eager(
     if q.numel() >= 2**31 // max(1, num_splits or 1):
         raise ValueError("q: too large for the kernel's 32-bit indexing; split the batch")
     _check_out(out, q)
+    if not q.is_cuda:  # the last check (shapes, dtypes and options first, also on the CPU)
+        raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (flash_attn_with_kvcache runs on the GPU; "
+                         "its fp64 CPU reference is qattn.reference.paged_decode_reference)")
     arch = _check_arch(q.device)
     if arch == "sm_100a" and _tcgen05_takes(cache, _dtype_name(q.dtype), group, Sq):  # SM100 dispatch (issue 6)
         from .decode_sm100 import flash_attn_with_kvcache_sm100

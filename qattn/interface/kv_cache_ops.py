@@ -90,9 +90,6 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
     lay = cache.layer(layer)
     dev = cache.device
-    if dev.type != "cuda":
-        raise ValueError(f"cache: write_kv runs on a CUDA cache, this one is on {dev} "
-                         "(use qattn.write_kv_reference on the CPU)")
     H, D = cache.num_kv_heads, cache.head_dim
     _tensor(k, "k", (torch.bfloat16, torch.float16), dev)
     if k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
@@ -134,6 +131,9 @@ def _write_kv_eager(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.T
         _tensor(positions, "positions", (torch.int64,), dev, (n,))
     if k_mean is not None:
         _tensor(k_mean, "k_mean", (torch.float32,), dev, (H, D))
+    if dev.type != "cuda":  # the last check (the inputs' metadata first, also on the CPU)
+        raise ValueError(f"cache: write_kv runs on a CUDA cache, this one is on {dev} "
+                         "(use qattn.write_kv_reference on the CPU)")
     if check:
         _check_values(cache, k, v, slot_mapping, seq_slots, positions, rope, k_mean)
     if n == 0:

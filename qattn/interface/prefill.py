@@ -419,6 +419,14 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, dev) -> int:
     return num_seqs
 
 
+def _at_most_total(max_seqlen, total: int):
+    """``flash_attn_varlen_func``'s max_seqlen lowered to the packed total (at least 1): the scales and the grid are
+    sized by it. Anything but an int goes to :func:`_check_max_seqlens` unchanged."""
+    if isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen > max(total, 1):
+        return max(total, 1)
+    return max_seqlen
+
+
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k, total_q: int, total_k: int, num_seqs: int) -> None:
     """Each max_seqlen an int in [1, max(total, 1)] (0 is also taken where the total is 0) with num_seqs x
     max_seqlen >= total: else some sequence is longer than max_seqlen (the grid, sized by it, would skip rows)."""
@@ -539,13 +547,20 @@ def prefill_int8_varlen(
     return (out, lse) if return_lse else out
 
 
-def _check_cuda_inputs(q, k, v, name: str, qk_quant: str | None = "int8") -> None:
-    """The last check before the first launch: q, k, v on one CUDA device (else the CPU reference is named)."""
+def _check_cuda_inputs(q, k, v, name: str, qk_quant: str | None = "int8", softcap: float = 0.0,
+                       pv_dtype: str = "bf16") -> None:
+    """The last check before the first launch (the one before a device-dependent check): q, k, v on one CUDA
+    device, else the fp64 CPU reference of the call's options is named."""
     if not q.is_cuda or k.device != q.device or v.device != q.device:
-        mode = f", qk_quant={qk_quant!r}" if qk_quant else ""
+        if softcap:  # the quantized references take no cap: exact attention
+            ref = f"attention_reference(q, k, v, softcap={softcap!r})"
+        elif pv_dtype == "fp8" and qk_quant:
+            ref = "prefill_fp8pv.prefill_fp8pv_emulation(q, k, v)"
+        else:
+            ref = "prefill_reference(q, k, v" + (f", qk_quant={qk_quant!r})" if qk_quant else ")")
         raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device} "
-                         f"({name} runs on the GPU; its fp64 CPU reference is qattn.reference.prefill_reference(q, "
-                         f"k, v{mode}), per sequence for packed ones)")
+                         f"({name} runs on the GPU; its fp64 CPU reference is qattn.reference.{ref}, per sequence "
+                         "for packed ones)")
 
 
 def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool, softmax_scale: float,
@@ -554,7 +569,8 @@ def _prefill_16bit(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal: bool
     Dense when ``cu_q`` is None (4-d inputs), else varlen (3-d packed inputs); returns (out, lse)."""
     varlen = cu_q is not None  # shapes, heads and sizes: _check_dense_inputs / _check_varlen_inputs (the callers)
     D, Hq, Hkv = q.shape[-1], q.shape[-2], k.shape[-2]
-    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func" if varlen else "flash_attn_func", qk_quant=None)
+    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func" if varlen else "flash_attn_func", qk_quant=None,
+                       softcap=softcap)
     _check_sm100_options(q.device, varlen=varlen, qk_quant=None)
     window = resolve_window(window_size, causal, max_seqlen_q if varlen else q.shape[1],
                             max_seqlen_k if varlen else k.shape[1])
@@ -642,7 +658,8 @@ def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smoo
                      dropout_p, window_size, softcap, alibi_slopes, deterministic):
     """:func:`flash_attn_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
     window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
-                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic)
+                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic,
+                                                    granularity)
     if torch.compiler.is_compiling():  # torch.compile traces the registered custom op (no graph break)
         from .torch_ops import prefill_op
 
@@ -655,7 +672,7 @@ def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smoo
 
 
 def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropout_p, window_size, softcap,
-                   alibi_slopes, deterministic) -> tuple:
+                   alibi_slopes, deterministic, granularity) -> tuple:
     """The checks ``flash_attn_func`` and ``flash_attn_varlen_func`` share: (window edges, softmax scale,
     softcap)."""
     _check_fa_keywords(dropout_p, alibi_slopes, deterministic)
@@ -663,6 +680,7 @@ def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropo
     window = _window_ints(window_size)
     if qk_quant not in ("int8", None):
         raise ValueError(f"qk_quant: expected 'int8' or None (plain 16-bit Q K^T), got {qk_quant!r}")
+    _scale_groups(granularity, 1, 1)  # its name (a typo was the CUDA-device error on CPU, ignored with qk_quant=None)
     _check_balance(balance_qk, qk_quant)
     _check_pv_dtype(pv_dtype, qk_quant)
     _check_qkv_16bit(q, k, v)
@@ -754,9 +772,9 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
 
         _check_v(v)  # before any launch: head_dim 64 / 128
     lam = None  # the channel balance, for a kernel that quantizes Q itself
+    _check_cuda_inputs(q, k, v, "flash_attn_func", softcap=softcap, pv_dtype=pv_dtype)
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
-    _check_cuda_inputs(q, k, v, "flash_attn_func")
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8 checks about the pair, before the K prepass launches
@@ -810,7 +828,8 @@ def flash_attn_varlen_func(
     (:func:`prefill_int8_varlen`). LSE, with ``return_lse``, is (num_heads, total_q). ``pv_dtype="fp8"``: P x V
     in FP8 E4M3 after the varlen V prepass (``qattn.quant.v_fp8.quantize_v_fp8_varlen``: each sequence's own
     per-channel scales). ``balance_qk`` and FlashAttention's other keywords (``dropout_p``, ``window_size``, ...)
-    as in :func:`flash_attn_func` (one balance per sequence)."""
+    as in :func:`flash_attn_func` (one balance per sequence). ``max_seqlen_*`` are upper bounds, as in
+    FlashAttention (one above the packed total is lowered to it)."""
     _check_attn_probs(return_attn_probs)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
@@ -865,7 +884,8 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             alibi_slopes, deterministic):
     """:func:`flash_attn_varlen_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
     window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
-                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic)
+                                                    dropout_p, window_size, softcap, alibi_slopes, deterministic,
+                                                    granularity)
     if torch.compiler.is_compiling():
         from .torch_ops import int_arg, prefill_varlen_op
 
@@ -882,15 +902,11 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 def _check_empty_varlen(q, k, v, granularity: str, softcap: float, balance_qk: bool, quantized: bool) -> None:
     """The checks that a varlen call whose packed totals are 0 would otherwise get from the prepass and kernel
-    launchers it skips (shapes, cu_seqlens and max_seqlens are :func:`_check_varlen_inputs`'): q, k, v on one CUDA
-    device and, with int8 Q K^T (``quantized``), granularity and softcap with balance_qk."""
-    from ..quant.launch import _check_pair
-
-    _check_pair(q, k)  # devices (CUDA), head_dim, heads
-    if v.device != q.device:
-        raise ValueError(f"v: expected device {q.device} (that of q), got {v.device}")
+    launchers it skips (shapes, cu_seqlens and max_seqlens are :func:`_check_varlen_inputs`', granularity
+    :func:`_check_options`'): q, k, v on one CUDA device (the CPU reference named, as for non-empty calls), then
+    with int8 Q K^T (``quantized``) softcap with balance_qk."""
+    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func", qk_quant="int8" if quantized else None, softcap=softcap)
     if quantized:
-        _scale_groups(granularity, 1, 1)  # the granularity's name
         _check_softcap_balance(softcap, balance_qk, _kernel_quantizes_q(q, granularity))
 
 
@@ -901,6 +917,8 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
+    # an upper bound, as in FlashAttention (engines pass a fixed one): no sequence outgrows its packed total
+    max_seqlen_q, max_seqlen_k = _at_most_total(max_seqlen_q, q.shape[0]), _at_most_total(max_seqlen_k, k.shape[0])
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pv_dtype)
     if q.is_cuda:  # SM100's limits before any launch (the prepass included), as in flash_attn_func
         _check_sm100_options(q.device, varlen=True, pv_dtype=pv_dtype,
@@ -917,9 +935,9 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                               window, softcap)
 
     lam = None
+    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func", softcap=softcap, pv_dtype=pv_dtype)
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
-    _check_cuda_inputs(q, k, v, "flash_attn_varlen_func")
     if quantizes_q:
         q8, qs = q, None
         _check_pair(q, k)  # what quantize_qk_int8_varlen checks about q, before the K prepass launches

@@ -76,6 +76,10 @@ def _check_pair(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"k: num_kv_heads ({hkv}) must divide num_q_heads ({hq})")
     if max(hq, hkv) > _MAX_GRID_YZ:
         raise ValueError(f"q: at most {_MAX_GRID_YZ} heads (grid limit), got {max(hq, hkv)}")
+
+
+def _check_cuda(q: torch.Tensor) -> None:
+    """The last check (the others also run on the CPU): q (and so k, on q's device) on CUDA."""
     if not q.is_cuda:
         raise ValueError(f"q: expected a CUDA tensor, got device {q.device} "
                          "(use qattn.quant.quantize_qk_int8_reference on the CPU)")
@@ -356,6 +360,7 @@ def quantize_qk_int8(
         raise ValueError(f"q: batch at most {_MAX_GRID_YZ} (grid limit), got {B}")
     if max(Sq, Sk) > _MAX_I32 // 2:
         raise ValueError("q: seqlen exceeds the kernels' 32-bit row indexing")
+    _check_cuda(q)
 
     dev = q.device
     nq = _num_groups(Sq, granularity, block_q, warp_q)[1]
@@ -425,6 +430,7 @@ def quantize_qk_int8_varlen(
         raise ValueError(f"cu_seqlens_q: at most {_MAX_GRID_YZ} sequences (grid limit), got {n}")
     if max(q.shape[0], k.shape[0], Sq, Sk) > _MAX_I32 // 2:
         raise ValueError("q: total rows exceed the kernels' 32-bit row indexing")
+    _check_cuda(q)
 
     dev = q.device
     nq = _num_groups(Sq, granularity, block_q, warp_q)[1]

@@ -43,8 +43,11 @@ def attention_reference(
     Sk, Hkv = k.shape[1], k.shape[2]
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
         raise ValueError(f"k: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Hq % Hkv:
+    if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"q: {Hq} query heads is not a multiple of {Hkv} kv heads")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
+            w is not None and int(w) < -1 for w in window_size):  # as the kernels' window_ints (-1: unbounded)
+        raise ValueError(f"window_size: expected (left, right) of ints >= -1 (or None), got {window_size!r}")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     g = Hq // Hkv
     qd = q.double().permute(0, 2, 1, 3)  # B Hq Sq D
@@ -103,6 +106,8 @@ def paged_decode_reference(
         raise ValueError(f"q: {q.shape[2]} heads is not a multiple of {cache.num_kv_heads} kv heads")
     if (cache.recent_window or cache.sink_tokens) and seq_slots is None:
         raise ValueError("seq_slots: a cache with a recent window or sink tokens needs seq_slots")
+    if softcap and cache.k_smoothed:  # as flash_attn_with_kvcache: the cap is not invariant to the q . k_mean shift
+        raise ValueError("softcap: this cache's K was smoothed (k_mean); a smoothed cache cannot be read with a softcap")
     k, v = flatten_kv_reference(cache, layer, block_table, cache_seqlens, seq_slots=seq_slots,
                                 dtype=torch.float64)
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,

@@ -102,6 +102,8 @@ def write_kv_reference(
         data[blk, :, off] = payload
         if scale_pool is not None:
             scale_pool[blk, :, off] = scales
+    if k_mean is not None:
+        cache.k_smoothed = True  # as write_kv: a soft-capped decode then refuses the cache
 
     if cache.recent_window or cache.sink_tokens:
         seqs, pos = _seq_positions(cache, k.shape[0], keep, seq_slots, positions)

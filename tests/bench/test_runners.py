@@ -129,7 +129,7 @@ def test_prefill_rows_launch_what_flash_attn_func_launches(monkeypatch, fp8, bal
     monkeypatch.setattr(L, "quantize_k_int8", rec("quantize_k_int8", ("k8", "ks", None)))
     monkeypatch.setattr(L, "_check_pair", lambda q, k: None)
     monkeypatch.setattr(VF, "quantize_v_fp8", rec("quantize_v_fp8", ("vt", "vs")))
-    monkeypatch.setattr(PF, "_check_cuda_inputs", lambda *a: None)  # CPU tensors: the launches are stubbed
+    monkeypatch.setattr(PF, "_check_cuda_inputs", lambda *a, **kw: None)  # CPU tensors: the launches are stubbed
     monkeypatch.setattr(PF, "_kernel_quantizes_q", lambda q, granularity: granularity == "per_warp")  # SM90
     q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 256, 2, 64, dtype=torch.bfloat16)

@@ -285,6 +285,25 @@ def test_varlen_matches_each_sequence(causal, D):
         start += lq
 
 
+@pytest.mark.parametrize("qk_quant,pv_dtype,causal", [("int8", "bf16", True), ("int8", "fp8", False),
+                                                      (None, "bf16", False)])
+def test_varlen_max_seqlen_is_an_upper_bound(qk_quant, pv_dtype, causal):
+    """max_seqlen past every sequence (an engine's fixed bound), as FlashAttention takes it: the same bits as the
+    exact maxima (lowered to the packed total; the grid and padded scales grow, the masks do not)."""
+    import qattn
+
+    lens_q, lens_k = [70, 1, 300], [90, 40, 300]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(sum(lens_q), 4, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")  # noqa: E731
+    kw = dict(causal=causal, qk_quant=qk_quant, pv_dtype=pv_dtype, return_lse=True)
+    want = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), 300, 300, **kw)
+    for mq, mk in ((4096, 4096), (10**6, 301)):
+        got = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), mq, mk, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mq, mk)
+
+
 # ---- Q quantized inside the kernel (q_scale=None: flash_attn_func's per_warp path on SM90) ---------------------
 # The kernel computes the prepass's Q bytes and scales, so out and LSE must equal those of the kernel run on the
 # prepass's int8 Q, bit for bit (same scores, same instructions after the quantization).

@@ -68,12 +68,15 @@ def test_varlen_cu_seqlens_and_max_seqlens_checked_on_every_path(fake_sm90, qk_q
         call(cu_k=torch.tensor([0, 50, 100, 150, 200], dtype=torch.int32))
     with pytest.raises(TypeError, match="cu_seqlens_q"):
         call(cu_q=[0, 100, 200])
-    for mq in (0, -5, 10**6, 100.0, None):
+    for mq in (0, -5, 99, 100.0, None):  # 99: two sequences of 99 rows hold fewer than the 200 packed
         with pytest.raises(ValueError, match="max_seqlen_q"):
             call(mq=mq)
     assert fake_sm90 == []
     call()
     assert fake_sm90[-1] == "kernel"
+    n = len(fake_sm90)
+    call(mq=10**6, mk=201)  # upper bounds, as in FlashAttention: lowered to the packed total (200)
+    assert fake_sm90[n:][-1] == "kernel"
 
 
 @pytest.mark.parametrize("kw,err", [
