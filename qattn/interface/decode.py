@@ -19,7 +19,8 @@ from .torch_ops import paged_decode_traced  # registers the custom ops
 from .fast_launch import fast, on_device, stream_handle
 from .launch_plan import Planner, cache_signature, layer_tensors, signature_key
 from .variants import cache_for, kernel_arch
-from .window import resolve_window, score_scale, softcap_value as _softcap, softmax_scale_value, window_ints
+from .window import (check_forward_only, resolve_window, score_scale, softcap_value as _softcap, softmax_scale_value,
+                     window_ints)
 
 __all__ = ["flash_attn_with_kvcache", "decode_compile_args", "decode_config_for", "decode_cache_key"]
 
@@ -337,6 +338,7 @@ def flash_attn_with_kvcache(
                          "cannot be read with a softcap")
     # A rotated cache (cache.rotate) holds K R and V R: attend with q R, then map the output back by R^T (one fp32
     # matrix product each way with the cache's dense R).
+    check_forward_only(q)
     rot = cache.rotation_matrix if isinstance(cache, PagedKVCache) else None
     final_out = out
     if rot is not None:  # q and out checked first: the rotation would take (or broadcast into) wrong shapes

@@ -24,7 +24,7 @@ from ..cute_kernels.sm90.prefill_config import (BLOCK_K, BLOCK_Q, HEAD_DIMS, LON
 from .fast_launch import contiguous16, fast, kernel_view, on_device, stream_handle
 from .launch_plan import Planner, signature_key
 from .variants import Variant, cache_for, kernel_arch, register
-from .window import (FULL, Window, resolve_window, score_scale, softcap_value as _softcap,
+from .window import (FULL, Window, check_forward_only, resolve_window, score_scale, softcap_value as _softcap,
                      softmax_scale_value as _softmax_scale_value, window_ints as _window_ints)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -646,6 +646,7 @@ def flash_attn_func(
     ``deterministic`` is accepted either way: every launch is deterministic (split units merge in a fixed order).
     """
     _check_attn_probs(return_attn_probs)
+    check_forward_only(q, k, v)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
     # a signature seen before replays its recorded launches (launch_plan.py)
@@ -831,6 +832,7 @@ def flash_attn_varlen_func(
     as in :func:`flash_attn_func` (one balance per sequence). ``max_seqlen_*`` are upper bounds, as in
     FlashAttention (one above the packed total is lowered to it)."""
     _check_attn_probs(return_attn_probs)
+    check_forward_only(q, k, v)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
                softcap, alibi_slopes, deterministic)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)

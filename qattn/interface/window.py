@@ -1,5 +1,6 @@
 """FlashAttention's ``window_size=(left, right)`` (sliding-window attention) for the prefill and decode entry
-points: validated once, normalized, and turned into the kernels' compile-time flags and runtime edges.
+points: validated once, normalized, and turned into the kernels' compile-time flags and runtime edges; and the
+other checks both entry points share (softmax_scale, softcap, forward-only inputs).
 
 Query i of a sequence sees keys j with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
 -1 (or None) leaves that side unbounded and ``causal=True`` sets right to 0.
@@ -11,10 +12,12 @@ import functools
 import math
 from typing import NamedTuple
 
+import torch
+
 from ..cute_kernels.config_values import softcap_value, softmax_scale_value  # noqa: F401 (the entry points' checks)
 
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
-           "kernel_edges", "softcap_value", "softmax_scale_value", "score_scale"]
+           "kernel_edges", "softcap_value", "softmax_scale_value", "score_scale", "check_forward_only"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30
@@ -103,3 +106,11 @@ def score_scale(softmax_scale: float, softcap: float) -> float:
 
 _FP32_MAX = 3.4028234663852886e38
 _FP32_TINY = 1.1754943508222875e-38
+
+
+def check_forward_only(*tensors) -> None:
+    """The kernels have no backward: an input that needs a gradient would silently get none, so it is refused
+    (inference calls run under no_grad / inference_mode, where nothing needs one)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError("an input requires grad, but qattn's kernels are forward-only (no backward): call under "
+                           "torch.no_grad() / torch.inference_mode(), or pass detached tensors")

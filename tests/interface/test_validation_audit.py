@@ -112,3 +112,21 @@ def test_reference_decode_refuses_a_smoothed_cache_with_softcap():
     qattn.reference.paged_decode_reference(q, cache, lens, table)
     with pytest.raises(ValueError, match="smoothed"):
         qattn.reference.paged_decode_reference(q, cache, lens, table, softcap=20.0)
+
+
+def test_inputs_that_need_a_gradient_are_refused():
+    """No backward: q, k or v requiring grad (with grad mode on) would silently get no gradient; under no_grad the
+    same call proceeds (to the CPU machine's device error)."""
+    q, k = torch.randn(1, 64, 4, 64, dtype=bf), torch.randn(1, 64, 2, 64, dtype=bf)
+    cu = torch.tensor([0, 64], dtype=i32)
+    cache = PagedKVCache(1, 8, 16, 2, 64, "nvfp4")
+    lens, table = torch.tensor([4], dtype=i32), torch.zeros(1, 4, dtype=i32)
+    calls = [lambda q, k: qattn.flash_attn_func(q, k, k),
+             lambda q, k: qattn.flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 64, 64),
+             lambda q, k: qattn.flash_attn_with_kvcache(q[:, :1], cache, lens, table)]
+    for i, call in enumerate(calls):
+        for qg, kg in ((True, False), (False, True)) if i < 2 else ((True, False),):
+            with pytest.raises(RuntimeError, match="forward-only"):
+                call(q.clone().requires_grad_(qg), k.clone().requires_grad_(kg))
+            with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
+                call(q.clone().requires_grad_(qg), k.clone().requires_grad_(kg))
