@@ -227,8 +227,6 @@ def flatten_kv(cache, layer: int, block_table, cache_seqlens, max_seqlen=None):
         raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
     lay = cache.layer(layer)
     dev = cache.device
-    if dev.type != "cuda":
-        raise ValueError(f"cache: flatten_kv runs on a CUDA cache, this one is on {dev}")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise TypeError("block_table: expected a 2-d torch.int32 tensor (batch, max_blocks)")
     B, MB = block_table.shape
@@ -252,6 +250,9 @@ def flatten_kv(cache, layer: int, block_table, cache_seqlens, max_seqlen=None):
     if B * max_len * H * D // 2 >= 2**31 or max(cache.k_geometry.data_words, cache.v_geometry.data_words) >= 2**31:
         raise ValueError("flatten_kv: the output (batch x max_seqlen) or a pool exceeds the kernel's 32-bit "
                          "indexing; flatten fewer sequences at a time")
+    if dev.type != "cuda":  # the last check (the others also run on the CPU)
+        raise ValueError(f"cache: flatten_kv runs on a CUDA cache, this one is on {dev} "
+                         "(use qattn.flatten_kv_reference on the CPU)")
     k_out = torch.empty((B, max_len, H, D), dtype=torch.bfloat16, device=dev)
     v_out = torch.empty_like(k_out)
     if B * max_len == 0:

@@ -130,3 +130,14 @@ def test_inputs_that_need_a_gradient_are_refused():
                 call(q.clone().requires_grad_(qg), k.clone().requires_grad_(kg))
             with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
                 call(q.clone().requires_grad_(qg), k.clone().requires_grad_(kg))
+
+
+def test_flatten_kv_checks_precede_the_device_check():
+    cache = PagedKVCache(1, 8, 16, 2, 64, "nvfp4")
+    lens, table = torch.tensor([4], dtype=i32), torch.zeros(1, 4, dtype=i32)
+    with pytest.raises(TypeError, match="block_table"):
+        qattn.flatten_kv(cache, 0, table.long(), lens)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        qattn.flatten_kv(cache, 0, table, lens, max_seqlen=2)
+    with pytest.raises(ValueError, match="flatten_kv_reference"):
+        qattn.flatten_kv(cache, 0, table, lens)
