@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_GRID_YZ", "softcap_value", "softmax_scale_value"]
+__all__ = ["MAX_GRID_YZ", "softcap_value", "softmax_scale_value", "window_ints"]
 
 MAX_GRID_YZ = 65535  # CUDA's limit of a grid's y and z, where the kernels put heads, sequences or unit groups
 
@@ -29,3 +29,13 @@ def softcap_value(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: expected a finite float >= 0 (0.0: no soft-capping), got {softcap!r}")
     return float(softcap)
+
+
+def window_ints(window_size) -> tuple[int, int]:
+    """``window_size`` as two ints >= -1 (None: -1, unbounded); raises ValueError on anything else."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    ws = tuple(-1 if w is None else w for w in window_size)
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in ws):
+        raise ValueError(f"window_size: expected ints >= -1 (or None), -1 meaning unbounded, got {window_size!r}")
+    return ws

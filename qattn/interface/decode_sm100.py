@@ -9,7 +9,6 @@ kernel (+ ``combine.py`` for split-KV) from the shared compile cache with arch "
 
 from __future__ import annotations
 
-
 import torch
 
 from .variants import cache_for

@@ -14,23 +14,14 @@ from typing import NamedTuple
 
 import torch
 
-from ..cute_kernels.config_values import softcap_value, softmax_scale_value  # noqa: F401 (the entry points' checks)
+from ..cute_kernels.config_values import (softcap_value, softmax_scale_value,  # noqa: F401 (the entry points' checks)
+                                          window_ints)
 
 __all__ = ["NO_LEFT_EDGE", "Window", "FULL", "resolve_window", "window_ints", "window_bounds", "window_flags",
            "kernel_edges", "softcap_value", "softmax_scale_value", "score_scale", "check_forward_only"]
 
 # the kernels' window_left for a window with a right edge only: no row's window starts past key 0 (lengths < 2^30)
 NO_LEFT_EDGE = 1 << 30
-
-
-def window_ints(window_size) -> tuple[int, int]:
-    """``window_size`` as two ints >= -1 (None: -1, unbounded); raises ValueError on anything else."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
-    ws = tuple(-1 if w is None else w for w in window_size)
-    if any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in ws):
-        raise ValueError(f"window_size: expected ints >= -1 (or None), -1 meaning unbounded, got {window_size!r}")
-    return ws
 
 
 def window_bounds(window_size: tuple, causal: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..cute_kernels.config_values import window_ints
 from ..layouts.paged import PagedKVCache
 from .kv_ops import flatten_kv_reference
 
@@ -45,9 +46,7 @@ def attention_reference(
         raise ValueError(f"k: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"q: {Hq} query heads is not a multiple of {Hkv} kv heads")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
-            w is not None and int(w) < -1 for w in window_size):  # as the kernels' window_ints (-1: unbounded)
-        raise ValueError(f"window_size: expected (left, right) of ints >= -1 (or None), got {window_size!r}")
+    left, right = window_ints(window_size)  # the kernels' rule (-1 or None: unbounded)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     g = Hq // Hkv
     qd = q.double().permute(0, 2, 1, 3)  # B Hq Sq D
@@ -60,7 +59,6 @@ def attention_reference(
     j = torch.arange(Sk, device=q.device)
     mask = j[None, :] < lens[:, None]  # B Sk
     mask = mask[:, None, None, :].expand(B, 1, Sq, Sk)
-    left, right = (-1 if w is None else int(w) for w in window_size)
     if causal:
         right = 0
     i = torch.arange(Sq, device=q.device)
