@@ -19,6 +19,7 @@ if [ -z "$PART" ] || [ "$PART" = 1 ]; then
   run i1 $P tests/gpu/test_kv_insert_gpu.py -k "transforms"
   run i2 $P tests/gpu/test_kv_insert_gpu.py -k "not transforms"
   run q1 $P tests/gpu/test_fp4_rows_gpu.py tests/gpu/test_qk_int8_gpu.py
+  run m1 $P tests/gpu/test_multi_device_gpu.py  # skips on one GPU
   run s1 compute-sanitizer --tool memcheck --report-api-errors no python -m tests.gpu.sanitize_small
 fi
 if [ -z "$PART" ] || [ "$PART" = 2 ]; then
