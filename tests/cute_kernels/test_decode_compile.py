@@ -70,7 +70,9 @@ CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global(\.L2::\w+)*\s+\[[^\]]+\],\s*\[[^\]
 FP4_LUT_PRMT = (rf"(?i)prmt\.b32\s+\w+,\s*{fp4.E2M1_TO_E4M3_LUT[0]:#010x},\s*{fp4.E2M1_TO_E4M3_LUT[1]:#010x},"
                 r"\s*\w+;")
 FP4_SIGN_PRMT = r"(?i)prmt\.b32\s+\w+,\s*\w+,\s*%r\d+,\s*0x(d9c8|fbea);"
-FP4_SCALE_PRMT = r"prmt\.b32\s+\w+,\s*%r\d+,\s*0,\s*0x(0|11|22|33);"
+# an E4M3 block scale broadcast (byte k twice), or two tokens' scales paired (fp4.e4m3_pair_to_f16x2: nvfp4 V)
+FP4_SCALE_PRMT = r"prmt\.b32\s+\w+,\s*%r\d+,\s*(0,\s*0x(0|11|22|33)|%r\d+,\s*0x40);"
+FP4_V_PAIR_PRMT = r"prmt\.b32\s+%r\d+,\s*%r\d+,\s*%r\d+,\s*0x(5140|7362);"
 FP4_EVEN_ODD_AND = r"(?i)and\.b32\s+\w+,\s*\w+,\s*0x1c1c1c1c;"
 
 
@@ -98,7 +100,13 @@ def _check_fp4_decode(cfg: DecodeConfig, ptx: str) -> None:
     assert (eo_and > 0) == any(eo for _, eo in fp4_ops), f"even/odd decode masks: {eo_and}"
     assert (scale > 0) == any(info.scale == "e4m3" for info, _ in fp4_ops), f"e4m3 scale broadcasts: {scale}"
     assert ptx_count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") >= 2 * (lut + eo_and)  # 4 per word; 2 table prmt / masks
-    if fp4_ops:
+    # an even/odd nvfp4 V pairs its tokens as E4M3 bytes (DecodeSm90._v_operands: 2 + 2 prmt per two tokens' word)
+    # instead of as halves after the conversion (the bf16 path's 8): its kernels have fewer prmt than with bf16
+    # V pages, so the count bound below is for the other FP4 decodes
+    v_pairs = ptx_count(ptx, FP4_V_PAIR_PRMT)
+    assert (v_pairs > 0) == (kern.v.kind == "fp4" and kern.v_even_odd), f"nvfp4 V token-pair prmt: {v_pairs}"
+    assert v_pairs % 2 == 0
+    if fp4_ops and not v_pairs:
         # Expected increase over the same config with bf16 pages: at least the decode's own prmt, a structural
         # bound (the other permutes, token pairs / bytes, are the bf16 path's or more: nvfp4's even/odd K adds
         # 8..32). Measured over REPRESENTATIVE / RING / SINK: increase 4..256, increase - decode prmt 0..32

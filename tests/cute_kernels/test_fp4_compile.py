@@ -468,3 +468,32 @@ def test_e2m1_even_odd_decode_is_exact_times_2_pow_minus_6():
     want = ref.e2m1_decode(ref.unpack_e2m1(payload))[:, [0, 2, 4, 6, 1, 3, 5, 7]] * 2.0**-6
     _same_f32(got.reshape(-1), want.reshape(-1))
     assert np.array_equal(np.signbit(_bits_f32(got.reshape(-1))), np.signbit(want.reshape(-1).numpy()))
+
+
+def test_e4m3_pair_and_even_odd_token_pairs():
+    """The decode kernel's nvfp4 V token pairs: two tokens' even/odd E4M3 bytes interleaved by prmt (0x5140 /
+    0x7362), converted, times the two tokens' scales from ``e4m3_pair_to_f16x2``: each f16x2 word holds the same
+    element of both tokens, 2^-6 x E2M1 x scale exactly (and a zero scale gives exact zeros)."""
+    words = _words_covering_all_codes(4000)
+    wa, wb = words, np.roll(words, 1)
+    rng = np.random.default_rng(3)
+    sa = rng.integers(0, 256, len(words)).astype(np.uint32) & np.uint32(0x7F)  # E4M3 scales, NaN 0x7F included
+    sb = rng.integers(0, 256, len(words)).astype(np.uint32) & np.uint32(0x7E)
+    sb[:100] = 0  # a masked token
+    (s2,) = helper("e4m3_pair_to_f16x2", sa | np.uint32(0xAB00), sb | np.uint32(0xCD00))  # other bytes ignored
+    ev_a, od_a = helper("e2m1x8_to_e4m3x8_even_odd", wa)
+    ev_b, od_b = helper("e2m1x8_to_e4m3x8_even_odd", wb)
+    got = []  # (n, 8 slots, 2 tokens)
+    for ea, eb in ((ev_a, ev_b), (od_a, od_b)):
+        for sel in (0x5140, 0x7362):
+            x = _prmt(ea, eb, np.full_like(ea, sel))
+            for h in helper("e4m3x4_to_f16x4", x):
+                (p,) = helper("f16x2_mul", h, s2)
+                got.append(np.stack(helper("f16x2_to_f32x2", p), axis=1))
+    got = np.stack(got, axis=1)
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    for t, (w, s) in enumerate(((wa, sa), (wb, sb))):
+        payload = torch.from_numpy(w.view(np.uint8).reshape(-1, 4).copy())
+        scale = ref.e4m3_decode(torch.from_numpy(s.astype(np.uint8)))
+        want = ref.e2m1_decode(ref.unpack_e2m1(payload))[:, order] * 2.0**-6 * scale[:, None]
+        _same_f32(got[:, :, t].reshape(-1), want.reshape(-1))

@@ -39,6 +39,8 @@ __all__ = [
     "e4m3x4_to_f16x4",
     "e2m1x8_to_f16x8",
     "e2m1x8_to_f16x8_scaled_even_odd",
+    "e2m1x8_to_e4m3x8_even_odd",
+    "e4m3_pair_to_f16x2",
     "e4m3_to_f16x2",
     "f16x2_mul",
     "f16x2_to_f32x2",
@@ -119,6 +121,17 @@ def _ptx_e4m3_bcast(byte_index: int) -> str:
         "}"
     )
 
+
+# $0 <- byte 0 of $1 and byte 0 of $2, two E4M3 scales, as one f16x2 (low half from $1). Exact.
+PTX_E4M3_PAIR_TO_F16X2 = (
+    "{\n\t"
+    ".reg .b32 t;\n\t"
+    ".reg .b16 lo, hi;\n\t"
+    "prmt.b32 t, $1, $2, 0x40;\n\t"
+    "mov.b32 {lo, hi}, t;\n\t"
+    "cvt.rn.f16x2.e4m3x2 $0, lo;\n\t"
+    "}"
+)
 
 PTX_F16X2_MUL = "mul.rn.f16x2 $0, $1, $2;"
 
@@ -234,6 +247,7 @@ PTX_HELPERS = {
     "e2m1x8_to_e4m3x8": (PTX_E2M1X8_TO_E4M3X8, 2, "u"),
     "e2m1x8_to_e4m3x8_even_odd": (PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, 2, "u"),
     "e4m3x4_to_f16x4": (PTX_E4M3X4_TO_F16X4, 2, "u"),
+    "e4m3_pair_to_f16x2": (PTX_E4M3_PAIR_TO_F16X2, 1, "uu"),
     "e4m3_to_f16x2[0]": (_ptx_e4m3_bcast(0), 1, "u"),
     "e4m3_to_f16x2[1]": (_ptx_e4m3_bcast(1), 1, "u"),
     "e4m3_to_f16x2[2]": (_ptx_e4m3_bcast(2), 1, "u"),
@@ -325,14 +339,34 @@ def e2m1x8_to_f16x8_scaled_even_odd(
     word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
 ) -> Tuple[Uint32, Uint32, Uint32, Uint32]:
     """8 packed E2M1 values times 2^-6 -> 4 f16x2 words ((e0,e2), (e4,e6), (e1,e3), (e5,e7)). Exact (the
-    smallest nonzero value, 2^-7, is a normal f16); the caller folds 2^6 into a scale it multiplies anyway.
+    smallest nonzero value, 2^-7, is a normal f16); the caller undoes the 2^-6 elsewhere (the decode kernel: in its
+    fp32 softmax and output scales).
     7 integer instructions + 4 cvt.rn.f16x2.e4m3x2 (e2m1x8_to_f16x8: 9 + 4), for operands whose element order
     is free (an MMA reduction dimension permuted the same way in the other operand)."""
-    res = _asm(_pair(T.i32()), [_u32(word, loc, ip)], PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, "=r,=r,r")
-    ev, od = _two(res, T.i32(), Uint32, loc, ip)
+    ev, od = e2m1x8_to_e4m3x8_even_odd(word, loc=loc, ip=ip)
     h0, h1 = e4m3x4_to_f16x4(ev, loc=loc, ip=ip)
     h2, h3 = e4m3x4_to_f16x4(od, loc=loc, ip=ip)
     return h0, h1, h2, h3
+
+
+@dsl_user_op
+def e2m1x8_to_e4m3x8_even_odd(
+    word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
+) -> Tuple[Uint32, Uint32]:
+    """8 packed E2M1 values times 2^-6 -> 8 E4M3 bytes, as (e0, e2, e4, e6) and (e1, e3, e5, e7). Exact; 7 integer
+    instructions (the first half of :func:`e2m1x8_to_f16x8_scaled_even_odd`, for callers that permute bytes
+    before converting them)."""
+    res = _asm(_pair(T.i32()), [_u32(word, loc, ip)], PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, "=r,=r,r")
+    return _two(res, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
+def e4m3_pair_to_f16x2(
+    a, b, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
+) -> Uint32:
+    """Byte 0 of ``a`` and byte 0 of ``b`` (two E4M3 scales, e.g. of two tokens) as one f16x2 word, ``a`` in the
+    low half. Exact. PTX: prmt.b32 + cvt.rn.f16x2.e4m3x2."""
+    return Uint32(_asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], PTX_E4M3_PAIR_TO_F16X2, "=r,r,r"))
 
 
 @dsl_user_op
