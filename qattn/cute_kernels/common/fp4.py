@@ -335,6 +335,17 @@ def e2m1x8_to_f16x8(
 
 
 @dsl_user_op
+def e2m1x8_to_e4m3x8_even_odd(
+    word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
+) -> Tuple[Uint32, Uint32]:
+    """8 packed E2M1 values times 2^-6 -> 8 E4M3 bytes, as (e0, e2, e4, e6) and (e1, e3, e5, e7). Exact; 7 integer
+    instructions (the first half of :func:`e2m1x8_to_f16x8_scaled_even_odd`, for callers that permute bytes
+    before converting them)."""
+    res = _asm(_pair(T.i32()), [_u32(word, loc, ip)], PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, "=r,=r,r")
+    return _two(res, T.i32(), Uint32, loc, ip)
+
+
+@dsl_user_op
 def e2m1x8_to_f16x8_scaled_even_odd(
     word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
 ) -> Tuple[Uint32, Uint32, Uint32, Uint32]:
@@ -347,17 +358,6 @@ def e2m1x8_to_f16x8_scaled_even_odd(
     h0, h1 = e4m3x4_to_f16x4(ev, loc=loc, ip=ip)
     h2, h3 = e4m3x4_to_f16x4(od, loc=loc, ip=ip)
     return h0, h1, h2, h3
-
-
-@dsl_user_op
-def e2m1x8_to_e4m3x8_even_odd(
-    word, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None
-) -> Tuple[Uint32, Uint32]:
-    """8 packed E2M1 values times 2^-6 -> 8 E4M3 bytes, as (e0, e2, e4, e6) and (e1, e3, e5, e7). Exact; 7 integer
-    instructions (the first half of :func:`e2m1x8_to_f16x8_scaled_even_odd`, for callers that permute bytes
-    before converting them)."""
-    res = _asm(_pair(T.i32()), [_u32(word, loc, ip)], PTX_E2M1X8_TO_E4M3X8_EVEN_ODD, "=r,=r,r")
-    return _two(res, T.i32(), Uint32, loc, ip)
 
 
 @dsl_user_op

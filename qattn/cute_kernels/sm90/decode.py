@@ -832,12 +832,8 @@ class DecodeSm90:
                 words.append(lo)
                 words.append(hi)
         else:  # fp4
-            base = tok * f.row_words + dim0_dyn // 8
-            sb = views[pre + "s_b"]
             for i in range(ndims // 8):
-                x = Uint32(w[base + i, stage])
-                blk = (dim0_dyn + 8 * i) // f.sb
-                sbyte = Uint32(sb[tok * f.nscales + blk, stage])
+                x, sbyte = self._fp4_word(f, views, pre, stage, tok, dim0_dyn, i)
                 if cutlass.const_expr(f.scale == "e4m3"):
                     s2 = fp4.e4m3_to_f16x2(sbyte, 0)
                 else:
@@ -851,6 +847,12 @@ class DecodeSm90:
                     for hh in fp4.e2m1x8_to_f16x8(x):
                         words.append(fp4.f16x2_mul(hh, s2))
         return words
+
+    def _fp4_word(self, f: FmtInfo, views, pre: str, stage, tok, dim0, i: int):
+        """Payload word ``i`` (FP4 dims [dim0 + 8 i, dim0 + 8 i + 8); ``dim0`` a multiple of 8) of token ``tok``
+        (tile-local) and its block's scale byte."""
+        x = Uint32(views[pre + "d_w"][tok * f.row_words + dim0 // 8 + i, stage])
+        return x, Uint32(views[pre + "s_b"][tok * f.nscales + (dim0 + 8 * i) // f.sb, stage])
 
     def _keep(self, pos, kv_len, pos_lo):
         """Position ``pos`` is one this tile reads: below the sequence end and, with a sink (``pos_lo``, a
@@ -894,7 +896,6 @@ class DecodeSm90:
             vw = self._v_rows(vf, views, vpre, stage, tok0, pos0, kv_len, pos_lo, g)
             return [[prmt(vw[2 * p][j // 2], vw[2 * p + 1][j // 2], 0x7632 if j % 2 else 0x5410)
                      for j in range(ndims)] for p in range(2)]
-        w, sb = views[vpre + "d_w"], views[vpre + "s_b"]
         pairs = []
         for off in (0, 8):
             ta, tb = tok0 + off, tok0 + off + 1
@@ -902,12 +903,11 @@ class DecodeSm90:
             keep_a, keep_b = self._keep(pos0 + ta, kv_len, pos_lo), self._keep(pos0 + tb, kv_len, pos_lo)
             words = []
             for i in range(ndims // 8):
-                blk = (dim0 + 8 * i) // vf.sb
-                sa = _sel(keep_a, Uint32(sb[ta * vf.nscales + blk, stage]), Uint32(0), Uint32)
-                sb_ = _sel(keep_b, Uint32(sb[tb * vf.nscales + blk, stage]), Uint32(0), Uint32)
-                s2 = fp4.e4m3_pair_to_f16x2(sa, sb_)
-                ev_a, od_a = fp4.e2m1x8_to_e4m3x8_even_odd(Uint32(w[ta * vf.row_words + dim0 // 8 + i, stage]))
-                ev_b, od_b = fp4.e2m1x8_to_e4m3x8_even_odd(Uint32(w[tb * vf.row_words + dim0 // 8 + i, stage]))
+                xa, sa = self._fp4_word(vf, views, vpre, stage, ta, dim0, i)
+                xb, sb = self._fp4_word(vf, views, vpre, stage, tb, dim0, i)
+                s2 = fp4.e4m3_pair_to_f16x2(_sel(keep_a, sa, Uint32(0), Uint32), _sel(keep_b, sb, Uint32(0), Uint32))
+                ev_a, od_a = fp4.e2m1x8_to_e4m3x8_even_odd(xa)
+                ev_b, od_b = fp4.e2m1x8_to_e4m3x8_even_odd(xb)
                 # slots 8i..8i+7 = (e0, e2, e4, e6, e1, e3, e5, e7): bytes [a, b, a, b] of each pair of slots
                 for ea, eb in ((ev_a, ev_b), (od_a, od_b)):
                     for sel in (0x5140, 0x7362):
