@@ -49,6 +49,11 @@ _MAX_K_CHUNKS = 64  # partial sums per (sequence, head) column, added up once by
 # ChunkReduce, so the same mean): one launch less where the sequence is short
 _SUM_IN_QUANT_MAX_CHUNKS = 8
 _MIN_CHUNK_ROWS = 256
+# where the partial sums are folded by ChunkReduce anyway (more chunks cost no launch), chunks may shrink to this
+# many bytes of 16-bit rows, but not below 128 rows (128 at head_dim 128 and 256; head_dim 64 keeps 256): more
+# CTAs for few, short rows
+_MIN_FOLDED_CHUNK_BYTES = 32 << 10
+_MIN_FOLDED_CHUNK_ROWS = 128
 _NUM_SMS: dict = {}
 
 
@@ -201,12 +206,23 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[device]
 
 
-def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int) -> tuple[int, int]:
+def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int, row_bytes: int = 0,
+              fold_above: int = 0) -> tuple[int, int]:
     """(num_chunks, chunk_rows) for the K-sum grid: about 8 CTAs per SM, chunks of >= 256 rows, at most
     ``_MAX_K_CHUNKS`` per (sequence, head); ``rows`` = sequences x heads. (H100, K (2, 8192, 16, 128): 31.0 us
-    with 16 chunks, 26.9 with 32, 28.2 with 64.)"""
+    with 16 chunks, 26.9 with 32, 28.2 with 64.)
+
+    ``row_bytes`` (one row's bytes) and ``fold_above`` (the caller folds more chunks than this with ChunkReduce):
+    when 256-row chunks are folded anyway, chunks of ``_MIN_FOLDED_CHUNK_BYTES`` (at least 128 rows) are allowed
+    too, which only matters while few (sequence, head) rows are short. H200, K prepass of B2 H16, CUDA graph, in
+    turns, same bytes, 128- vs 256-row chunks at head_dim 128: S2560 21.2 / 22.9 us, S4K 29.6 / 32.3, S8K and
+    S16K equal (8 CTAs per SM bind there); at head_dim 64 (128 rows) S4K 15.1 / 14.9, so 256 rows stay there
+    (head_dim 256 not measured)."""
     want = -(-8 * num_sms // max(rows, 1))
     n = max(1, min(want, -(-seqlen // _MIN_CHUNK_ROWS), _MAX_K_CHUNKS))
+    if row_bytes and n > fold_above:
+        min_rows = max(_MIN_FOLDED_CHUNK_ROWS, _MIN_FOLDED_CHUNK_BYTES // row_bytes)
+        n = max(n, min(want, -(-seqlen // min_rows), _MAX_K_CHUNKS))
     chunk = -(-seqlen // n)
     chunk = -(-chunk // rows_per_step) * rows_per_step
     return -(-seqlen // chunk), chunk
@@ -269,7 +285,9 @@ def _launch_all(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, cu_q, cu_k, g
                 stats = ("sum_range" if smooth_k else "range") if balance else "sum"
                 kcfg, kmean = _kmean_kernel(arch, D, k.dtype == torch.bfloat16, varlen, stats)
                 rows = _varlen_rows(batch, k.shape[0], seqlen_k, Hkv) if varlen else batch * Hkv
-                nc, chunk_rows = _k_chunks(seqlen_k, rows, kcfg.rows_per_step, _num_sms(dev))
+                # the sums alone (no balance): chunks down to 32 KB where they are folded anyway
+                nc, chunk_rows = _k_chunks(seqlen_k, rows, kcfg.rows_per_step, _num_sms(dev),
+                                           0 if balance else D * 2, _SUM_IN_QUANT_MAX_CHUNKS)
                 if smooth_k:
                     partial = _alloc((batch, Hkv, nc, D), torch.float64, dev)
                 if balance:

@@ -89,6 +89,14 @@ def test_k_chunks():
     assert n <= launch._MAX_K_CHUNKS == 64 and n * rows >= 1 << 20
     n, rows = launch._k_chunks(1, 4, 64, 132)
     assert n == 1 and rows == 64
+    # chunks folded by ChunkReduce anyway: down to 32 KB of rows, at least 128 (128 at head_dim 128 and 256,
+    # still 256 at 64); no change where the quantize kernel adds them itself (no fold launch added) or where
+    # 8 CTAs per SM bind already
+    assert launch._k_chunks(4096, 32, 64, 132, 256, 8) == (32, 128)
+    assert launch._k_chunks(4096, 32, 64, 132, 128, 8) == (16, 256)
+    assert launch._k_chunks(4096, 32, 64, 132, 512, 8) == (32, 128)
+    assert launch._k_chunks(1500, 32, 64, 132, 256, 8) == (6, 256)
+    assert launch._k_chunks(8192, 32, 64, 132, 256, 8) == (32, 256)
 
 
 def test_varlen_rows_count_the_work_in_longest_sequences():
