@@ -17,6 +17,8 @@ threads covers ``128 / G`` rows; the grid is ``ceil(num_tokens * num_kv_heads / 
 row are done by the same threads, one after the other. All arithmetic is IEEE fp32 in the reference's order:
 ``div.rn`` for ``amax / qmax`` and ``amax / (g * 6)``, ``div.rn 1, d`` for reciprocals (only of normal
 divisors), RNE conversions (``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rni.s32.f32``, ``cvt.rn.bf16x2.f32``).
+An FP4 side whose format has ``scale_search="msenb"`` takes, per block, the scale with the smallest squared error
+among the rule's and its neighbours (:func:`_fp4_scale_search`, the reference's arithmetic; compile time, keyed).
 
 Insert transforms (compile-time flags, part of the compile-cache key: ``rope_style`` / ``rotary_dim``, ``smooth``,
 ``rotate``), applied in registers between the fp32 widening and the quantizer, in the order and with the exact
@@ -178,6 +180,7 @@ class _Side:
         self.scales_per_thread = elems // self.block if self.block else 0
         self.scales_per_row = head_dim // self.block if self.block else 0
         self.qmax = 448.0 if self.kind == "fp8" else 127.0
+        self.search = fmt.scale_search  # FP4 only: None or "msenb" (_fp4_scale_search)
 
 
 class KVInsert:
@@ -243,9 +246,10 @@ class KVInsert:
 
     @property
     def key(self) -> tuple:
-        return (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16,
-                self.rope_style, self.rotary_dim, self.smooth, self.rotate, self.sink_tokens, self.elems,
-                self.cta_threads)
+        key = (self.k.fmt.key, self.v.fmt.key, self.head_dim, self.in_bf16, self.ring, self.ring_bf16,
+               self.rope_style, self.rotary_dim, self.smooth, self.rotate, self.sink_tokens, self.elems,
+               self.cta_threads)
+        return key + (("scale_search", self.k.search, self.v.search),) if self.k.search or self.v.search else key
 
     def _transforms(self, is_key: bool) -> bool:
         """Whether the row of this side is changed before it is stored (then stores convert from fp32)."""
@@ -519,12 +523,13 @@ class KVInsert:
                 for i in cutlass.range_constexpr(side.block):
                     amax = cute.arch.fmax(amax, abs(rX[b * side.block + i]))
                 sbyte, mul = fp4.fp4_block_scale(amax, g, side.nvfp4, side.rceil)
+                if cutlass.const_expr(side.search is not None):
+                    sbyte, mul = _fp4_scale_search(rX, b * side.block, side, amax, g, sbyte, mul)
+                words = _fp4_block_words(rX, b * side.block, side.block, mul)
                 rS[b] = Uint8(sbyte)
                 for wj in cutlass.range_constexpr(side.block // 8):
-                    base = b * side.block + 8 * wj
-                    cds = [fp4.f32_to_e2m1(rX[base + k] * mul) for k in range(8)]
-                    w = base // 8
-                    rP[w % side.vec, w // side.vec] = fp4.pack_e2m1x8(*cds)
+                    w = b * side.block // 8 + wj
+                    rP[w % side.vec, w // side.vec] = words[wj]
             if valid:
                 cute.autovec_copy(rS, mS[None, part, pool_row])
 
@@ -640,6 +645,69 @@ class KVInsert:
             rX[j] = mul_rn(mul_rn(rX[j], rS[j]), scale)
 
 
+# ------------------------------------------------------------------------------------------------
+# FP4 blocks (one thread holds a whole block): codes, and the encoder-side scale search
+# ------------------------------------------------------------------------------------------------
+def _fp4_block_words(rX, base: int, block: int, mul) -> list:
+    """The packed E2M1 words of values ``rX[base:base + block]`` times ``mul`` (8 codes per word)."""
+    return [fp4.pack_e2m1x8(*[fp4.f32_to_e2m1(rX[base + 8 * wj + k] * mul) for k in range(8)])
+            for wj in range(block // 8)]
+
+
+def _fp4_block_sse(rX, base: int, block: int, mul, scale_f, g, nvfp4: bool):
+    """Squared error of values ``rX[base:base + block]`` encoded with multiplier ``mul`` and decoded as the
+    readers do (nvfp4 ``(q * s_f) * g``, MX ``q * 2^e``; ``scale_f`` = s_f or 2^e), in the reference's order
+    (``qattn.quant.reference._block_sse``): ``e = x - y``, ``e * e``, then the halving tree
+    ``sq[i] += sq[i + n/2]``, every step one rounded fp32 op. ``q`` is the E2M1 grid value of the code
+    ``f32_to_e2m1(x * mul)`` would give (``e2m1_round_f32``, no code needed)."""
+    sq = []
+    for i in range(block):
+        x = rX[base + i]
+        y = mul_rn(fp4.e2m1_round_f32(x * mul), scale_f)
+        if nvfp4:
+            y = mul_rn(y, g)
+        e = sub_rn(x, y)
+        sq.append(mul_rn(e, e))
+    n = len(sq)
+    while n > 1:
+        n //= 2
+        sq = [add_rn(sq[i], sq[i + n]) for i in range(n)]
+    return sq[0]
+
+
+def _fp4_scale_search(rX, base: int, side: _Side, amax, g, sbyte, mul):
+    """``KVFormat.scale_search == "msenb"``: the block's (scale byte, multiplier) with the smallest squared error
+    among the rule's (``sbyte``, ``mul``) and its neighbours, as ``qattn.quant.reference.quantize`` picks them:
+    nvfp4 the E4M3 bytes ``sbyte - 1`` and ``sbyte + 1`` (clamped to [0, 0x7E]), MX the other one of floor /
+    floor + 1 (floor + 1 at most 125). A candidate replaces the best so far only when its error is strictly
+    smaller, so ties keep the rule's scale. Branch-free (selects); the caller encodes the block once, with the
+    winner."""
+    if side.nvfp4:
+        cands = [cutlass.select_(sbyte > Uint32(0), sbyte - Uint32(1), Uint32(0)),
+                 cutlass.select_(sbyte < Uint32(0x7E), sbyte + Uint32(1), Uint32(0x7E))]
+    else:
+        floor_byte = fp4.mx_ue8m0_floor(amax)
+        up = cutlass.select_(floor_byte < Uint32(252), floor_byte + Uint32(1), Uint32(252))  # e + 1 <= 125
+        cands = [cutlass.select_(sbyte == floor_byte, up, floor_byte)]
+
+    def scale_value(byte):
+        return fp4.e4m3_to_f32(byte) if side.nvfp4 else fp4.ue8m0_to_f32(byte)
+
+    best = _fp4_block_sse(rX, base, side.block, mul, scale_value(sbyte), g, side.nvfp4)
+    for c in cands:
+        if side.nvfp4:  # the rule's multiplier for this byte (fp4_block_scale): 1 / (s_f * g), 0 unless normal
+            sg = mul_rn(fp4.e4m3_to_f32(c), g)
+            cmul = cutlass.select_(sg >= Float32(_FP32_MIN_NORMAL), fp4.rcp_rn(sg), Float32(0.0))
+        else:
+            cmul = fp4.ue8m0_to_f32(Uint32(254) - c)  # 2^-e, exact
+        err = _fp4_block_sse(rX, base, side.block, cmul, scale_value(c), g, side.nvfp4)
+        take = err < best  # strict: NaN never wins, ties keep the earlier candidate
+        best = cutlass.select_(take, err, best)
+        sbyte = cutlass.select_(take, c, sbyte)
+        mul = cutlass.select_(take, cmul, mul)
+    return sbyte, mul
+
+
 # ==================================================================================================
 # compile and launch
 # ==================================================================================================
@@ -733,10 +801,10 @@ def _strides16(t) -> tuple[int, int]:
 @register("kv_insert")
 def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=None, sink_tokens=None,
                      q_dtypes=None, **_):
-    """The variants ``write_kv`` compiles for caches without RoPE / smoothing / rotation (those compile on first
-    use): each format or ``k+v`` pair (MX formats with both scale rules), head_dim, with / without a ring
-    (any ``recent_windows`` entry > 0), sink token count, and dtype (``q_dtypes``: bf16 / f16, the input's
-    and the cache's)."""
+    """The variants ``write_kv`` compiles for caches without RoPE / smoothing / rotation / scale search (those
+    compile on first use): each format or ``k+v`` pair (MX formats with both scale rules), head_dim, with /
+    without a ring (any ``recent_windows`` entry > 0), sink token count, and dtype (``q_dtypes``: bf16 / f16,
+    the input's and the cache's)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     out, seen = [], set()

@@ -20,13 +20,16 @@ from ..layouts.paged import KVLayer, PagedKVCache
 
 
 def format_str(fmt: KVFormat) -> str:
-    """A format as a string an op can carry: its name, plus the MX rule when there is one."""
-    return f"{fmt.name}:{fmt.scale_rule}" if fmt.scale_rule in ("floor", "rceil") else fmt.name
+    """A format as a string an op can carry: its name, plus the MX rule and the scale search when there are
+    ones (``"mxfp4:rceil+msenb"``)."""
+    s = f"{fmt.name}:{fmt.scale_rule}" if fmt.scale_rule in ("floor", "rceil") else fmt.name
+    return f"{s}+{fmt.scale_search}" if fmt.scale_search else s
 
 
 def _parse(s: str) -> KVFormat:
+    s, _, search = s.partition("+")
     name, _, rule = s.partition(":")
-    return kv_format(name, scale_rule=rule or None)
+    return kv_format(name, scale_rule=rule or None, scale_search=search or None)
 
 
 def _view(k_data, v_data, k_scale_pool, v_scale_pool, k_global_scale, v_global_scale, k_ring, v_ring,

@@ -27,6 +27,9 @@ _SCALES = {
     "ue8m0": (1, torch.uint8),  # power-of-two exponent, byte = e + 127 (MX block scale)
     "fp32": (4, torch.float32),  # one scale per token-head row
 }
+# encoder-side block-scale searches a cache can be written with (KVFormat.scale_search; docs/accuracy.md,
+# "Encoder-side scale search": the best perplexity for nvfp4 and for MX)
+CACHE_SCALE_SEARCHES = ("msenb",)
 _RULES = {
     "none": ("bf16",),
     "absmax": ("e4m3", "int8"),  # per token-head: scale = amax / qmax
@@ -47,6 +50,10 @@ class KVFormat:
         scale_block: values per scale along head_dim; ``None`` means one scale for the whole row.
         has_global_scale: whether a per-(layer, kv_head) fp32 scale multiplies every decoded value.
         scale_rule: how the scale is chosen: ``"none"``, ``"absmax"``, ``"nvfp4"``, ``"floor"``, ``"rceil"``.
+        scale_search: FP4 only, None or ``"msenb"``: the writer tries neighbouring block scales and keeps the one
+            with the smallest block squared error (``qattn.quant.reference.quantize``'s ``scale_search``; nvfp4:
+            the rule's E4M3 byte and its two neighbours, MX: the rule's exponent and the other of floor /
+            floor + 1). Encoder-side only: the stored bytes mean the same, readers ignore it.
     """
 
     name: str
@@ -55,6 +62,7 @@ class KVFormat:
     scale_block: int | None
     has_global_scale: bool
     scale_rule: str
+    scale_search: str | None = None
 
     def __post_init__(self) -> None:
         if self.payload not in _PAYLOADS:
@@ -71,6 +79,12 @@ class KVFormat:
             raise ValueError("scale_dtype: MX rules need 'ue8m0' scales")
         if self.scale_rule == "nvfp4" and not (self.scale_dtype == "e4m3" and self.has_global_scale):
             raise ValueError("scale_dtype: nvfp4 needs 'e4m3' block scales and a global scale")
+        if self.scale_search is not None:
+            if self.scale_search not in CACHE_SCALE_SEARCHES:
+                raise ValueError(f"scale_search: expected None or one of {CACHE_SCALE_SEARCHES}, "
+                                 f"got {self.scale_search!r}")
+            if self.payload != "e2m1":
+                raise ValueError(f"scale_search: only FP4 formats take a scale search, not {self.name!r}")
 
     # --- element and byte counts -------------------------------------------------------------
     @property
@@ -137,11 +151,13 @@ class KVFormat:
 
     @property
     def key(self) -> tuple:
-        """Everything that changes the code that reads or writes this format (for compile caches)."""
+        """Everything that changes the code that reads this format or writes it plainly (for compile caches);
+        ``scale_search``, which only the insert kernel sees, is in that kernel's own key."""
         return (self.payload, self.scale_dtype, self.scale_block, self.has_global_scale, self.scale_rule)
 
     def __repr__(self) -> str:
         extra = f", rule={self.scale_rule}" if self.scale_rule in ("floor", "rceil") else ""
+        extra += f", scale_search={self.scale_search}" if self.scale_search else ""
         return f"KVFormat({self.name}{extra})"
 
 
@@ -188,7 +204,7 @@ class KVFormatPair:
 FormatSpec = Union[str, KVFormat, KVFormatPair, tuple]
 
 
-def _one(spec: str | KVFormat, scale_rule: str | None, arg: str) -> KVFormat:
+def _one(spec: str | KVFormat, scale_rule: str | None, arg: str, scale_search: str | None = None) -> KVFormat:
     if isinstance(spec, KVFormat):
         fmt = spec
     elif isinstance(spec, str):
@@ -201,25 +217,36 @@ def _one(spec: str | KVFormat, scale_rule: str | None, arg: str) -> KVFormat:
         if fmt.scale_rule not in ("floor", "rceil"):
             raise ValueError(f"scale_rule: only MX formats take a scale rule, not {fmt.name!r}")
         fmt = dataclasses.replace(fmt, scale_rule=scale_rule)  # __post_init__ validates the rule
+    if scale_search is not None and scale_search != fmt.scale_search:
+        if fmt.payload != "e2m1":
+            raise ValueError(f"scale_search: only FP4 formats take a scale search, not {fmt.name!r}")
+        fmt = dataclasses.replace(fmt, scale_search=scale_search)  # validated there too
     return fmt
 
 
-def kv_format(spec: FormatSpec, *, scale_rule: str | None = None) -> KVFormat | KVFormatPair:
+def kv_format(spec: FormatSpec, *, scale_rule: str | None = None,
+              scale_search: str | None = None) -> KVFormat | KVFormatPair:
     """Look up a KV format.
 
     ``spec`` is a name (``"bf16"``, ``"fp8"``, ``"int8"``, ``"nvfp4"``, ``"mxfp4"``, ``"mxfp4_b16"``), a
     :class:`KVFormat`, or a ``(k_format, v_format)`` pair, which gives a :class:`KVFormatPair`.
     ``scale_rule`` picks the MX exponent rule (``"rceil"``, qattn's default, or ``"floor"``, the OCP MX v1.0
-    rule) for MX formats.
+    rule) for MX formats. ``scale_search="msenb"`` makes writers search the block scale (FP4 formats; of a pair,
+    the FP4 sides only, and at least one side must be FP4): see :class:`KVFormat`.
     """
-    if isinstance(spec, KVFormatPair):
-        return spec if scale_rule is None else KVFormatPair(_one(spec.k, scale_rule, "k_format"),
-                                                            _one(spec.v, scale_rule, "v_format"))
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
             raise ValueError(f"kv_format: a pair is (k_format, v_format), got {len(spec)} entries")
-        return KVFormatPair(_one(spec[0], scale_rule, "k_format"), _one(spec[1], scale_rule, "v_format"))
-    return _one(spec, scale_rule, "kv_format")
+        spec = KVFormatPair(_one(spec[0], None, "k_format"), _one(spec[1], None, "v_format"))
+    if isinstance(spec, KVFormatPair):
+        if scale_rule is None and scale_search is None:
+            return spec
+        if scale_search is not None and "e2m1" not in (spec.k.payload, spec.v.payload):
+            raise ValueError(f"scale_search: only FP4 formats take a scale search, not {spec.k.name!r} / "
+                             f"{spec.v.name!r}")
+        return KVFormatPair(*(_one(f, scale_rule, arg, scale_search if f.payload == "e2m1" else None)
+                              for f, arg in ((spec.k, "k_format"), (spec.v, "v_format"))))
+    return _one(spec, scale_rule, "kv_format", scale_search)
 
 
 def kv_formats(spec: FormatSpec) -> tuple[KVFormat, KVFormat]:

@@ -261,7 +261,9 @@ class PagedKVCache:
     Args:
         num_layers, num_blocks, page_size, num_kv_heads, head_dim: pool geometry (page_size in 16..256,
             a power of two).
-        kv_format: a format name, :class:`KVFormat`, or ``(k_format, v_format)`` pair.
+        kv_format: a format name, :class:`KVFormat`, or ``(k_format, v_format)`` pair (FP4 formats may carry
+            ``scale_search="msenb"``: ``qattn.kv_format("nvfp4", scale_search="msenb")``, written with a
+            block-scale search, read as usual).
         device, dtype: where the pools live; ``dtype`` (bf16 or fp16) is the activation dtype, used by the
             recent-token ring and the sink buffer.
         recent_window: keep each sequence's newest ``recent_window`` tokens in a ring (0 = off).

@@ -216,8 +216,9 @@ def _k_chunks(seqlen: int, rows: int, rows_per_step: int, num_sms: int, row_byte
     when 256-row chunks are folded anyway, chunks of ``_MIN_FOLDED_CHUNK_BYTES`` (at least 128 rows) are allowed
     too, which only matters while few (sequence, head) rows are short. H200, K prepass of B2 H16, CUDA graph, in
     turns, same bytes, 128- vs 256-row chunks at head_dim 128: S2560 21.2 / 22.9 us, S4K 29.6 / 32.3, S8K and
-    S16K equal (8 CTAs per SM bind there); at head_dim 64 (128 rows) S4K 15.1 / 14.9, so 256 rows stay there
-    (head_dim 256 not measured)."""
+    S16K equal (8 CTAs per SM bind there); at head_dim 64 (128 rows) S4K 15.1 / 14.9, so 256 rows stay there;
+    at head_dim 256 (128 rows, the floor; 64 rows measured no better) B2 H16 S2560 38.2 / 41.5, B1 H8 S4K 16.8 /
+    17.9, B4 H8 S3000 43.3 / 46.6, B2 H16 S4K 59.7 / 59.2."""
     want = -(-8 * num_sms // max(rows, 1))
     n = max(1, min(want, -(-seqlen // _MIN_CHUNK_ROWS), _MAX_K_CHUNKS))
     if row_bytes and n > fold_above:

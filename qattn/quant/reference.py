@@ -360,7 +360,8 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True, sca
       ``codes = e2m1_encode(x * 2**-e)`` (an exact power-of-two scaling); payload packed uint8 (..., D/2),
       ``scales = e + 127`` uint8 (..., D/block).
 
-    ``scale_search`` (FP4 formats only; None = the plain rule above) is an *encoder-side* block-scale search: the
+    ``scale_search`` (FP4 formats only; None = the format's ``scale_search``, which is None, the plain rule above,
+    unless the format was made with one) is an *encoder-side* block-scale search: the
     stored bytes keep their meaning and every decoder reads them unchanged. Per block, each candidate scale is
     applied exactly as above (``codes = e2m1_encode(x * inv)``), the block is dequantized exactly as
     :func:`dequantize` does (nvfp4 ``(e2m1 * s_f) * g``, MX ``e2m1 * 2**e``), its squared error is summed in fp32
@@ -394,6 +395,8 @@ def quantize(x: torch.Tensor, fmt, global_scale=None, *, check: bool = True, sca
     if check and x.numel() and not bool(torch.isfinite(x.float()).all()):  # what is quantized: x in fp32
         raise ValueError("x: contains NaN or Inf (in fp32)")
 
+    if scale_search is None:  # the format's own (a cache written with a search: KVFormat.scale_search)
+        scale_search = fmt.scale_search
     if scale_search is not None:
         if scale_search not in SCALE_SEARCHES:
             raise ValueError(f"scale_search: expected None or one of {SCALE_SEARCHES}, got {scale_search!r}")

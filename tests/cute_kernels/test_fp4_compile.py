@@ -276,6 +276,14 @@ def run_ptx(body: str, n_out: int, inputs: list) -> list:
             r = _f32_bits(np.where(np.isnan(x), y, np.where(np.isnan(y), x, np.minimum(x, y))))
         elif op == "mul.rn.f32":
             r = _f32_bits(_bits_f32(a[0]) * _bits_f32(a[1]))
+        elif op in ("add.rn.f32", "sub.rn.f32"):  # numpy fp32 add / subtract: IEEE, round to nearest even
+            x, y = _bits_f32(a[0]), _bits_f32(a[1])
+            with np.errstate(all="ignore"):
+                r = _f32_bits(x + y if op.startswith("add") else x - y)
+        elif op == "abs.f32":
+            r = a[0] & np.uint32(0x7FFFFFFF)
+        elif op == "add.u32":
+            r = ((a[0].astype(np.uint64) + a[1].astype(np.uint64)) & M32).astype(np.uint32)
         elif op == "div.rn.f32":
             with np.errstate(all="ignore"):
                 r = _f32_bits(_bits_f32(a[0]) / _bits_f32(a[1]))
@@ -423,6 +431,17 @@ def test_f32_to_e2m1_matches_reference():
     want = ref.e2m1_encode(torch.from_numpy(x.copy())).numpy().astype(np.uint32)
     bad = np.nonzero(c != want)[0]
     assert bad.size == 0, [(float(x[i]), int(c[i]), int(want[i])) for i in bad[:10]]
+
+
+def test_e2m1_round_f32_is_the_value_of_the_code():
+    """The scale search's rounding (no code) equals decoding f32_to_e2m1's code, sign included, on midpoints,
+    their neighbours, random bits, subnormals and +-inf."""
+    x = _special_f32()
+    (q,) = helper("e2m1_round_f32", x)
+    want = ref.e2m1_decode(ref.e2m1_encode(torch.from_numpy(x.copy())))
+    got = _bits_f32(q)
+    assert np.array_equal(got.view(np.uint32), want.numpy().view(np.uint32)), \
+        [(float(x[i]), float(got[i]), float(want[i])) for i in np.nonzero(got != want.numpy())[0][:10]]
 
 
 def test_f32_to_e4m3_satfinite_matches_reference():

@@ -139,6 +139,30 @@ def test_flatten_compiles(spec, arch):
         assert not compile_utils.ptx_has(ptx, r"e2m1x2")  # the SM90 decode path
 
 
+SEARCH_PAIRS = [(("nvfp4", None), ("nvfp4", None)), (("mxfp4", "floor"), ("mxfp4", "floor")),
+                (("int8", None), ("nvfp4", None)), (("mxfp4_b16", "rceil"), ("nvfp4", None))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("pair", SEARCH_PAIRS, ids=lambda p: f"{p[0][0]}+{p[1][0]}")
+def test_scale_search_compiles(pair, arch):
+    """``scale_search="msenb"``: its own variant (key), exact fp32 arithmetic only (no fma contraction, no
+    approximate reciprocal), and one rcp.rn per nvfp4 block and candidate (the rule's byte, byte - 1, byte + 1)."""
+    from qattn.cute_kernels import compile_utils, kv_insert
+    from qattn.cute_kernels.compile_utils import ptx_count, ptx_has
+
+    f = kv_format((_f(pair[0]), _f(pair[1])), scale_search="msenb")
+    cfg, args = kv_insert.make_insert_compile_args(f.k, f.v, 128)
+    plain = kv_insert.KVInsert(_f(pair[0]), _f(pair[1]), 128)
+    assert cfg.key != plain.key and cfg.key[:len(plain.key)] == plain.key
+    _, ptx = compile_utils.compile_for_arch(cfg, *args, arch=arch)
+    _common(ptx, arch)
+    assert not ptx_has(ptx, r"\bfma\.rn\.f32\b")
+    nv_blocks = sum(cfg.elems // 16 for side in (cfg.k, cfg.v) if side.nvfp4)
+    row_scales = sum(side.kind in ("fp8", "int8") for side in (cfg.k, cfg.v))  # one 1 / s per 8-bit row
+    assert ptx_count(ptx, r"\brcp\.rn\.f32\b") == 3 * nv_blocks + row_scales
+
+
 def test_unsupported_head_dim():
     from qattn.cute_kernels.kv_insert import KVInsert
 

@@ -615,6 +615,98 @@ def test_decode_over_rotated_cache(fmt, head_dim):
     assert fmt_err < {"nvfp4": 0.2, "fp8": 0.06}.get(fmt if isinstance(fmt, str) else "x", 0.25), fmt_err
 
 
+SEARCH_CASES = [(("nvfp4", None), ("nvfp4", None)), (("mxfp4", "floor"), ("mxfp4", "floor")),
+                (("mxfp4", "rceil"), ("mxfp4_b16", "rceil")), (("int8", None), ("nvfp4", None)),
+                (("nvfp4", None), ("mxfp4_b16", "floor")), (("mxfp4", "rceil"), ("fp8", None))]
+
+
+def _decoded_rows(cache, side, slots):
+    """fp64 values the pages hold for ``side`` ("k" / "v") at ``slots`` (tokens, heads, head_dim)."""
+    from qattn.quant.reference import dequantize
+
+    lay, page = cache.layer(0), cache.page_size
+    blk, off = slots // page, slots % page
+    fmt = getattr(cache, f"{side}_format")
+    data, sp, gs = (getattr(lay, f"{side}_{n}") for n in ("data", "scale_pool", "global_scale"))
+    scales = None if sp is None else sp.cpu()[blk, :, off]
+    return dequantize(data.cpu()[blk, :, off], scales, fmt, None if gs is None else gs.cpu()).double()
+
+
+def _searched(kspec, vspec):
+    return kv_format((_fmt(*kspec), _fmt(*vspec)), scale_search="msenb")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", SEARCH_CASES, ids=lambda c: f"{c[0][0]}-{c[0][1]}+{c[1][0]}-{c[1][1]}")
+def test_write_scale_search(case, head_dim):
+    """Caches written with ``scale_search="msenb"``: kernel bytes == reference bytes (every pool byte, -1 slots
+    untouched), the search moves some block scales off the plain rule's, and never raises a block's error."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, head_dim, "search")).encode()))
+    f = _searched(*case)
+    H, nb, page, n = 4, 40, 16, 333
+    cache = _make_cache(f.k, f.v, head_dim, page, nb, H, gen)
+    plain = _make_cache(_fmt(*case[0]), _fmt(*case[1]), head_dim, page, nb, H, gen)
+    for a, b in zip(_tensors(cache), _tensors(plain)):
+        b.copy_(a)
+    lay, play = cache.layer(0), plain.layer(0)
+    for a, b in ((lay.k_global_scale, play.k_global_scale), (lay.v_global_scale, play.v_global_scale)):
+        if a is not None:
+            b.copy_(a)
+    k, v = _inputs(n, H, head_dim, gen)
+    slots = _random_slots(n, nb * page, gen)
+    _write_both(cache, k, v, slots)
+    qattn.write_kv(plain, 0, k, v, slots)
+    moved = 0
+    for side, x in (("k", k), ("v", v)):
+        fmt = getattr(f, side)
+        if fmt.payload != "e2m1":
+            continue
+        sc, sp = getattr(lay, f"{side}_scale_pool"), getattr(play, f"{side}_scale_pool")
+        moved += int((sc != sp).sum())
+        # per token-head block error of the stored rows: searched <= plain (fp64 of the decoded values)
+        keep = (slots >= 0).cpu()
+        sl = slots.cpu()[keep].long()
+        xr = x.cpu()[keep].double()
+        es, ep = (((xr - _decoded_rows(c, side, sl)) ** 2).reshape(*xr.shape[:-1], -1, fmt.scale_block).sum(-1)
+                  for c in (cache, plain))
+        assert bool((es <= ep * (1 + 1e-5) + 1e-300).all())
+        assert float(es.sum()) < float(ep.sum())
+    assert moved > 0
+
+
+def test_write_scale_search_with_transforms_and_ring():
+    """The search after RoPE + smoothing + rotation, with a ring: bytes == reference."""
+    gen = torch.Generator().manual_seed(41)
+    f = kv_format(("nvfp4", "mxfp4"), scale_search="msenb")
+    H, D, page, nb, n = 4, 128, 16, 64, 200
+    cache = _make_cache(f.k, f.v, D, page, nb, H, gen, window=32, max_seqs=4, rotate=True)
+    k, v = _inputs(n, H, D, gen)
+    rope, positions, k_mean = _transform_args(("x", "neox", 80, True, True), H, D, n, gen)
+    seqs = torch.full((n,), 1).cuda()
+    positions = torch.arange(n).cuda()
+    _write_both(cache, k, v, _random_slots(n, nb * page, gen, skip=0.0), seq_slots=seqs, positions=positions,
+                rope=rope, k_mean=k_mean)
+
+
+def test_decode_reads_searched_cache_as_plain():
+    """Readers ignore the search: decode over a searched cache equals decode over a plain-format view of the same
+    tensors, bit for bit."""
+    gen = torch.Generator().manual_seed(43)
+    f = kv_format("nvfp4", scale_search="msenb")
+    H, group, D, page, L = 2, 4, 128, 16, 300
+    nb = -(-L // page) + 2
+    cache = _make_cache(f, f, D, page, nb, H, gen)
+    k, v = _inputs(L, H, D, gen)
+    table = torch.randperm(nb, generator=gen)[: -(-L // page)]
+    pos = torch.arange(L)
+    qattn.write_kv(cache, 0, k, v, (table[pos // page] * page + pos % page).cuda())
+    view = PagedKVCache.from_tensors([cache.layer(0)], page, D, "nvfp4", cache.dtype)
+    q = torch.randn(1, 1, H * group, D, generator=gen).to(torch.bfloat16).cuda()
+    lens, bt = torch.tensor([L], dtype=torch.int32).cuda(), table[None].to(torch.int32).cuda()
+    out = qattn.flash_attn_with_kvcache(q, cache, lens, bt)
+    assert torch.equal(out, qattn.flash_attn_with_kvcache(q, view, lens, bt))
+
+
 def test_transform_check_mode_errors():
     gen = torch.Generator().manual_seed(25)
     cache = _make_cache(_fmt("nvfp4"), _fmt("nvfp4"), 64, 16, 8, 2, gen)

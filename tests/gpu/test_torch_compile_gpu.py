@@ -12,7 +12,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["nvfp4", ("int8", "mxfp4")])
+@pytest.mark.parametrize("fmt", ["nvfp4", ("int8", "mxfp4"), qattn.kv_format(("int8", "nvfp4"), scale_search="msenb")],
+                         ids=["nvfp4", "int8-mxfp4", "int8-nvfp4-search"])
 def test_compiled_decode_step_matches_eager(fmt):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)

@@ -39,6 +39,9 @@ def test_format_strings_round_trip():
         for rule in ((None,) if not name.startswith("mxfp4") else ("floor", "rceil")):
             f = kv_format(name, scale_rule=rule)
             assert _parse(format_str(f)) == f
+            if f.payload == "e2m1":
+                fs = kv_format(f, scale_search="msenb")
+                assert _parse(format_str(fs)) == fs and fs != f
 
 
 def test_decode_step_traces_into_custom_ops_without_breaks():

@@ -65,6 +65,27 @@ def test_bad_specs():
         KVFormat("x", "e2m1", "e4m3", 64, True, "nvfp4")
 
 
+def test_scale_search():
+    nv = kv_format("nvfp4", scale_search="msenb")
+    assert nv.scale_search == "msenb" and kv_format("nvfp4").scale_search is None
+    assert nv.key == kv_format("nvfp4").key and nv != kv_format("nvfp4")  # readers share variants
+    assert "scale_search=msenb" in repr(nv) and qattn.kv_format(nv) is nv
+    mx = kv_format("mxfp4", scale_rule="floor", scale_search="msenb")
+    assert (mx.scale_rule, mx.scale_search) == ("floor", "msenb")
+    p = kv_format(("int8", "nvfp4"), scale_search="msenb")  # the FP4 side of a pair only
+    assert p.k.scale_search is None and p.v.scale_search == "msenb"
+    p = kv_format(("mxfp4_b16", "nvfp4"), scale_search="msenb")
+    assert p.k.scale_search == p.v.scale_search == "msenb"
+    assert kv_format(kv_format(("int8", "nvfp4")), scale_search="msenb") == kv_format(("int8", "nvfp4"),
+                                                                                       scale_search="msenb")
+    for bad, match in ((lambda: kv_format("fp8", scale_search="msenb"), "only FP4"),
+                       (lambda: kv_format(("int8", "bf16"), scale_search="msenb"), "only FP4"),
+                       (lambda: kv_format("nvfp4", scale_search="mse"), "msenb"),
+                       (lambda: KVFormat("x", "int8", "fp32", None, False, "absmax", "msenb"), "only FP4")):
+        with pytest.raises(ValueError, match="scale_search"):
+            bad()
+
+
 @pytest.mark.parametrize("name,bad", [("nvfp4", 72), ("mxfp4", 48), ("int8", 40), ("nvfp4", 8)])
 def test_head_dim_checks(name, bad):
     with pytest.raises(ValueError, match="head_dim"):

@@ -295,3 +295,39 @@ def test_decoders_unchanged_by_search():
     p, s = quantize(x, "mxfp4", scale_search="mse")
     vals = e2m1_decode(unpack_e2m1(p)).reshape(8, 2, 32)
     assert torch.equal((vals * torch.exp2(s.float() - 127).unsqueeze(-1)).reshape(8, 64), dequantize(p, s, "mxfp4"))
+
+
+# ------------------------------------------------------------------------------------------------
+# a cache format with a search (KVFormat.scale_search): quantize and the reference writer use it
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FP4))
+def test_format_scale_search_is_quantize_default(name):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, 64, generator=gen)
+    plain = FP4[name]
+    fmt = kv_format(plain, scale_search="msenb")
+    g = torch.tensor([0.003, 0.01]) if plain.has_global_scale else None
+    p1, s1 = quantize(x, fmt, g)
+    p2, s2 = quantize(x, plain, g, scale_search="msenb")
+    assert torch.equal(p1, p2) and torch.equal(s1, s2)
+    assert not torch.equal(s1, quantize(x, plain, g)[1])  # the search moved some scales
+
+
+def test_reference_writer_follows_the_cache_format():
+    from qattn.layouts.paged import PagedKVCache
+    from qattn.reference.kv_ops import write_kv_reference
+
+    gen = torch.Generator().manual_seed(9)
+    H, D, page, n = 2, 64, 16, 40
+    f = kv_format(("int8", "nvfp4"), scale_search="msenb")
+    cache = PagedKVCache(1, 4, page, H, D, f)
+    cache.layer(0).v_global_scale.copy_(torch.tensor([0.004, 0.02]))
+    k, v = (torch.randn(n, H, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    slots = torch.arange(n)
+    write_kv_reference(cache, 0, k, v, slots)
+    lay = cache.layer(0)
+    payload, scales = quantize(v, "nvfp4", lay.v_global_scale, scale_search="msenb")
+    # pools are (blocks, heads, page, row): slots 0..n-1 in token order
+    assert torch.equal(lay.v_data.permute(0, 2, 1, 3).reshape(-1, H, D // 2)[:n], payload)
+    assert torch.equal(lay.v_scale_pool.permute(0, 2, 1, 3).reshape(-1, H, D // 16)[:n], scales)
+    assert torch.equal(lay.k_data.permute(0, 2, 1, 3).reshape(-1, H, D)[:n], quantize(k, "int8")[0])

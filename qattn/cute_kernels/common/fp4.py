@@ -51,6 +51,7 @@ __all__ = [
     "mx_ue8m0_floor",
     "mx_ue8m0_rceil",
     "f32_to_e2m1",
+    "e2m1_round_f32",
     "pack_e2m1x8",
     "fp4_block_scale",
 ]
@@ -211,6 +212,31 @@ PTX_MX_UE8M0_RCEIL = (
 )
 
 # $0 (code) <- $1 (f32): code = rni(a * 2^(1-e)) + 2e, e = clamp(floor(log2 a), 0, 2), a = min(|x|, 6).
+# $0 <- $1 rounded to the signed E2M1 grid (the value of f32_to_e2m1's code, as fp32): |x| saturated at 6, then
+# rounded to a multiple of 2^(E-1) (E = its binade, at least 0) by adding and subtracting c = 1.5 * 2^(E+22),
+# whose binade has exactly that ulp: the fp32 add rounds half to even, and an even multiple of the step is an
+# even E2M1 code (c is an even multiple), so ties go where E2M1's do; a sum that rounds up into the next binade
+# is still exact (2^(E+1) is a grid value). Then the sign of x.
+PTX_E2M1_ROUND_F32 = (
+    "{\n\t"
+    ".reg .b32 a, c, s;\n\t"
+    ".reg .f32 af, cf, t;\n\t"
+    "abs.f32 af, $1;\n\t"
+    "min.f32 af, af, 0f40C00000;\n\t"  # saturate at 6.0 (+inf -> 6; NaN -> 6 since min ignores NaN)
+    "mov.b32 a, af;\n\t"
+    "and.b32 c, a, 0x7F800000;\n\t"  # the exponent field ...
+    "max.u32 c, c, 0x3F800000;\n\t"  # ... at least 2^0 (step 0.5 on [0, 2)) ...
+    "add.u32 c, c, 0x0B400000;\n\t"  # ... times 2^22, mantissa 1.5
+    "mov.b32 cf, c;\n\t"
+    "add.rn.f32 t, af, cf;\n\t"
+    "sub.rn.f32 t, t, cf;\n\t"
+    "mov.b32 a, t;\n\t"
+    "mov.b32 s, $1;\n\t"
+    "and.b32 s, s, 0x80000000;\n\t"
+    "or.b32 a, a, s;\n\t"
+    "mov.b32 $0, a;\n\t"
+    "}"
+)
 PTX_F32_TO_E2M1 = (
     "{\n\t"
     ".reg .b32 xb, a, e, m, r, s;\n\t"
@@ -261,6 +287,7 @@ PTX_HELPERS = {
     "mx_ue8m0_floor": (PTX_MX_UE8M0_FLOOR, 1, "f"),
     "mx_ue8m0_rceil": (PTX_MX_UE8M0_RCEIL, 1, "f"),
     "f32_to_e2m1": (PTX_F32_TO_E2M1, 1, "f"),
+    "e2m1_round_f32": (PTX_E2M1_ROUND_F32, 1, "f"),
     "pack_e2m1x8": (PTX_PACK_E2M1X8, 1, "uuuuuuuu"),
 }
 
@@ -472,6 +499,14 @@ def f32_to_e2m1(x, *, loc: Optional[ir.Location] = None, ip: Optional[ir.Inserti
     shr, and, or, and 4 free register moves).
     """
     return Uint32(_asm(T.i32(), [_f32(x, loc, ip)], PTX_F32_TO_E2M1, "=r,f"))
+
+
+@dsl_user_op
+def e2m1_round_f32(x, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None) -> Float32:
+    """``x`` rounded to the E2M1 grid (RNE, saturating at 6, x's sign): the fp32 value of
+    ``f32_to_e2m1(x)``'s code, without the code (for error sums over candidate scales). PTX: abs, min, and,
+    max, add, add.rn, sub.rn, and, or (9 instructions against 17 for the code plus its decode)."""
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], PTX_E2M1_ROUND_F32, "=f,f"))
 
 
 @dsl_user_op
