@@ -800,11 +800,12 @@ def _strides16(t) -> tuple[int, int]:
 # ==================================================================================================
 @register("kv_insert")
 def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=None, sink_tokens=None,
-                     q_dtypes=None, **_):
-    """The variants ``write_kv`` compiles for caches without RoPE / smoothing / rotation / scale search (those
-    compile on first use): each format or ``k+v`` pair (MX formats with both scale rules), head_dim, with /
-    without a ring (any ``recent_windows`` entry > 0), sink token count, and dtype (``q_dtypes``: bf16 / f16,
-    the input's and the cache's)."""
+                     q_dtypes=None, scale_searches=None, **_):
+    """The variants ``write_kv`` compiles for caches without RoPE / smoothing / rotation (those compile on first
+    use): each format or ``k+v`` pair (MX formats with both scale rules), head_dim, with / without a ring
+    (any ``recent_windows`` entry > 0), sink token count, and dtype (``q_dtypes``: bf16 / f16, the input's
+    and the cache's); formats with an FP4 side also with each of ``scale_searches`` (``kv_format(...,
+    scale_search=)``)."""
     from qattn.cute_kernels.compile_utils import compile_for_arch
 
     out, seen = [], set()
@@ -813,8 +814,11 @@ def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=
         if len(sides) != 2 or any(x not in INSERT_FORMATS for x in sides):
             continue
         rules = ("floor", "rceil") if any(x.startswith("mxfp4") for x in sides) else (None,)
-        for rule in rules:
+        fp4 = any(kv_format(x).payload == "e2m1" for x in sides)
+        for rule, search in ((r, s) for r in rules for s in [None] + (list(scale_searches or ()) if fp4 else [])):
             kf, vf = (_resolve(x, rule if x.startswith("mxfp4") else None) for x in sides)
+            if search is not None:
+                kf, vf = (f if f.payload != "e2m1" else kv_format(f, scale_search=search) for f in (kf, vf))
             for d in head_dims or [64, 128, 256]:
                 for ring in sorted({bool(w) for w in recent_windows or [0]}):
                     for n in sink_tokens or [0]:
@@ -828,6 +832,7 @@ def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=
                             build = (lambda cfg=cfg: compile_for_arch(cfg, *_fake_args(cfg), arch=arch,
                                                                       keep_ptx=False)[0])
                             label = (f"{name}{'' if rule is None else ' ' + rule} D{d}" + (" ring" if ring else "")
-                                     + (f" N{n}" if n else "") + ("" if bf16 else f" {dt}"))
+                                     + (f" N{n}" if n else "") + ("" if bf16 else f" {dt}")
+                                     + ("" if search is None else f" {search}"))
                             out.append(Variant("kv_insert", key, label, build))
     return out

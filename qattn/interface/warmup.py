@@ -7,6 +7,7 @@ Examples::
     qattn-warmup --arch auto --jobs 4        # the local GPU's arch, 4 compile processes
     qattn-warmup --arch sm_90a --kernels decode,combine --kv-formats nvfp4,int8+nvfp4 --head-dims 128 \
         --gqa 4,8 --page-sizes 16 --seqlen-q 1,4 --recent-windows 0,64 --sink-tokens 0,1
+    qattn-warmup --arch sm_90a --kernels kv_insert --kv-formats nvfp4 --scale-search msenb
     qattn-warmup --cache-info                # where the cache is, its size, this version's share
     qattn-warmup --clear-stale               # drop objects of other qattn / cutlass-dsl versions
     qattn-warmup --clear                     # drop everything
@@ -63,6 +64,12 @@ def _filters(args, error) -> dict:
             softcaps = sorted({softcap_value(float(x)) for x in _csv(args.softcap)})
         except ValueError:
             error(f"--softcap: expected a comma list of finite numbers >= 0, got {args.softcap!r}")
+    searches = _csv(args.scale_search)
+    if searches:
+        from ..layouts.formats import CACHE_SCALE_SEARCHES
+
+        if [x for x in searches if x not in CACHE_SCALE_SEARCHES]:
+            error(f"--scale-search: expected {list(CACHE_SCALE_SEARCHES)}, got {args.scale_search!r}")
     return {"kv_formats": formats, "head_dims": ints("--head-dims", lambda x: x > 0, "> 0"),
             "gqa": ints("--gqa", lambda x: x >= 1, ">= 1"),
             "page_sizes": ints("--page-sizes", lambda x: x in PAGE_SIZES, f"in {PAGE_SIZES}"),
@@ -70,7 +77,7 @@ def _filters(args, error) -> dict:
             "recent_windows": ints("--recent-windows", lambda x: x >= 0, ">= 0"),
             "sink_tokens": ints("--sink-tokens", lambda x: 0 <= x <= MAX_SINK_TOKENS, f"in [0, {MAX_SINK_TOKENS}]"),
             "q_dtypes": dtypes, "balance_qk": args.balance_qk, "sliding_window": args.sliding_window,
-            "softcaps": softcaps}
+            "softcaps": softcaps, "scale_searches": searches}
 
 
 def _compile_one(kind: str, arch: str, index: int, filters: dict):
@@ -107,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--softcap", default=None,
                    help="prefill, decode: also the kernels of these softcap values, a comma list (e.g. 50 "
                         "for Gemma 2)")
+    p.add_argument("--scale-search", default=None,
+                   help="insert: also the variants of caches written with this FP4 block-scale search "
+                        "(kv_format(..., scale_search=...)), e.g. msenb")
     p.add_argument("--jobs", type=int, default=1, help="compile processes")
     p.add_argument("--list", action="store_true", help="list the variants and exit")
     p.add_argument("--dry-run", action="store_true", help="show what would be compiled, compile nothing")

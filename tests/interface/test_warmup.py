@@ -63,6 +63,7 @@ def test_list_dry_run_and_errors(tmp_path, capsys):
     (["--recent-windows", "-1"], "--recent-windows"), (["--sink-tokens", "999"], "--sink-tokens"),
     (["--softcap", "nan"], "--softcap"), (["--softcap", "abc"], "--softcap"), (["--q-dtypes", "fp32"], "--q-dtypes"),
     (["--kv-formats", "nvfp4,nvfp5"], "unknown \\['nvfp5'\\]"), (["--jobs", "-3"], "--jobs"),
+    (["--scale-search", "mse"], "--scale-search"),
     (["--kernels", "kv_insert", "--head-dims", "96"], "not supported by the insert kernel"),
 ])
 def test_bad_filter_values_are_argparse_errors(capsys, args, err):
@@ -208,6 +209,25 @@ def test_warmed_insert_keys_equal_runtime_keys(fmt, window, sink, dtype):
         cache = PagedKVCache(1, 4, 16, 2, D, fmt, recent_window=window, sink_tokens=sink,
                              max_seqs=2 if window or sink else 0, dtype=tdt)
         assert ("kv_insert", "sm_90a") + insert_config_for(cache, tdt).key in warm
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", ("int8", "nvfp4"), "mxfp4", ("mxfp4_b16", "fp8")])
+def test_scale_search_insert_variants(fmt):
+    """--scale-search adds the insert variant a searched cache launches (for formats with an FP4 side), and only
+    with it."""
+    from qattn import PagedKVCache, kv_format
+    from qattn.interface.kv_cache_ops import insert_config_for
+
+    name = fmt if isinstance(fmt, str) else "+".join(fmt)
+
+    def warm(**kw):
+        return {v.key for v in variants.enumerate_variants("kv_insert", "sm_90a", kv_formats=[name],
+                                                           head_dims=[128], **kw)}
+
+    cache = PagedKVCache(1, 4, 16, 2, 128, kv_format(fmt, scale_search="msenb"))
+    key = ("kv_insert", "sm_90a") + insert_config_for(cache, cache.dtype).key
+    assert key in warm(scale_searches=["msenb"]) and key not in warm()
+    assert warm() < warm(scale_searches=["msenb"])
 
 
 def test_balance_qk_variants_are_the_runtime_ones(capsys):
