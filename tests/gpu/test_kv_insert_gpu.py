@@ -674,6 +674,20 @@ def test_write_scale_search(case, head_dim):
     assert moved > 0
 
 
+@pytest.mark.parametrize("case,head_dim", [((("nvfp4", None), ("nvfp4", None)), 256),
+                                           ((("mxfp4", "rceil"), ("mxfp4", "floor")), 32),
+                                           ((("int8", None), ("nvfp4", None)), 256),
+                                           ((("nvfp4", None), ("mxfp4_b16", "rceil")), 32)], ids=str)
+def test_write_scale_search_other_head_dims(case, head_dim):
+    """head_dim 256 and 32 (other values per thread and threads per row): bytes == reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, head_dim, "search-hd")).encode()))
+    f = _searched(*case)
+    H, nb, page, n = 4, 40, 16, 300
+    cache = _make_cache(f.k, f.v, head_dim, page, nb, H, gen)
+    k, v = _inputs(n, H, head_dim, gen)
+    _write_both(cache, k, v, _random_slots(n, nb * page, gen))
+
+
 def test_write_scale_search_with_transforms_and_ring():
     """The search after RoPE + smoothing + rotation, with a ring: bytes == reference."""
     gen = torch.Generator().manual_seed(41)
