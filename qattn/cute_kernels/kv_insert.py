@@ -695,11 +695,7 @@ def _fp4_scale_search(rX, base: int, side: _Side, amax, g, sbyte, mul):
 
     best = _fp4_block_sse(rX, base, side.block, mul, scale_value(sbyte), g, side.nvfp4)
     for c in cands:
-        if side.nvfp4:  # the rule's multiplier for this byte (fp4_block_scale): 1 / (s_f * g), 0 unless normal
-            sg = mul_rn(fp4.e4m3_to_f32(c), g)
-            cmul = cutlass.select_(sg >= Float32(_FP32_MIN_NORMAL), fp4.rcp_rn(sg), Float32(0.0))
-        else:
-            cmul = fp4.ue8m0_to_f32(Uint32(254) - c)  # 2^-e, exact
+        cmul = fp4.fp4_block_multiplier(c, g, side.nvfp4)
         err = _fp4_block_sse(rX, base, side.block, cmul, scale_value(c), g, side.nvfp4)
         take = err < best  # strict: NaN never wins, ties keep the earlier candidate
         best = cutlass.select_(take, err, best)
@@ -817,8 +813,9 @@ def _insert_variants(arch: str, kv_formats=None, head_dims=None, recent_windows=
         fp4 = any(kv_format(x).payload == "e2m1" for x in sides)
         for rule, search in ((r, s) for r in rules for s in [None] + (list(scale_searches or ()) if fp4 else [])):
             kf, vf = (_resolve(x, rule if x.startswith("mxfp4") else None) for x in sides)
-            if search is not None:
-                kf, vf = (f if f.payload != "e2m1" else kv_format(f, scale_search=search) for f in (kf, vf))
+            if search is not None:  # (the FP4 sides take it)
+                pair = kv_format((kf, vf), scale_search=search)
+                kf, vf = pair.k, pair.v
             for d in head_dims or [64, 128, 256]:
                 for ring in sorted({bool(w) for w in recent_windows or [0]}):
                     for n in sink_tokens or [0]:

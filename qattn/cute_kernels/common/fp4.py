@@ -54,6 +54,7 @@ __all__ = [
     "e2m1_round_f32",
     "pack_e2m1x8",
     "fp4_block_scale",
+    "fp4_block_multiplier",
 ]
 
 # E4M3FN bytes of the 8 E2M1 magnitudes, as the two prmt source registers: entries 0..3 in the low word,
@@ -211,7 +212,6 @@ PTX_MX_UE8M0_RCEIL = (
     "}"
 )
 
-# $0 (code) <- $1 (f32): code = rni(a * 2^(1-e)) + 2e, e = clamp(floor(log2 a), 0, 2), a = min(|x|, 6).
 # $0 <- $1 rounded to the signed E2M1 grid (the value of f32_to_e2m1's code, as fp32): |x| saturated at 6, then
 # rounded to a multiple of 2^(E-1) (E = its binade, at least 0) by adding and subtracting c = 1.5 * 2^(E+22),
 # whose binade has exactly that ulp: the fp32 add rounds half to even, and an even multiple of the step is an
@@ -237,6 +237,7 @@ PTX_E2M1_ROUND_F32 = (
     "mov.b32 $0, a;\n\t"
     "}"
 )
+# $0 (code) <- $1 (f32): code = rni(a * 2^(1-e)) + 2e, e = clamp(floor(log2 a), 0, 2), a = min(|x|, 6).
 PTX_F32_TO_E2M1 = (
     "{\n\t"
     ".reg .b32 xb, a, e, m, r, s;\n\t"
@@ -529,16 +530,25 @@ def fp4_block_scale(amax: Float32, g: Float32, nvfp4: cutlass.Constexpr, rceil: 
     that product is not a normal fp32. MX (``g`` unused): byte = e + 127 from the floor or rceil rule on
     amax's bits, multiplier = 2^-e (exact)."""
     sbyte = Uint32(0)
-    mul = Float32(0.0)
     if cutlass.const_expr(nvfp4):
         sbyte = f32_to_e4m3_satfinite(amax / (g * Float32(6.0)))
-        sg = e4m3_to_f32(sbyte) * g
-        if sg >= Float32(2.0**-126):  # reciprocal only of a normal fp32: 0 and subnormals give 0
-            mul = rcp_rn(sg)
     else:
         if cutlass.const_expr(rceil):
             sbyte = mx_ue8m0_rceil(amax)
         else:
             sbyte = mx_ue8m0_floor(amax)
-        mul = ue8m0_to_f32(Uint32(254) - sbyte)  # 2^-e, e = byte - 127
-    return sbyte, mul
+    return sbyte, fp4_block_multiplier(sbyte, g, nvfp4)
+
+
+@cute.jit
+def fp4_block_multiplier(sbyte: Uint32, g: Float32, nvfp4: cutlass.Constexpr) -> Float32:
+    """The multiplier that encodes a block with scale byte ``sbyte`` (codes ``f32_to_e2m1(x * multiplier)``):
+    nvfp4 1 / (E4M3 value * g), or 0 when that product is not a normal fp32; MX 2^-e (exact, e = byte - 127)."""
+    mul = Float32(0.0)
+    if cutlass.const_expr(nvfp4):
+        sg = e4m3_to_f32(sbyte) * g
+        if sg >= Float32(2.0**-126):  # reciprocal only of a normal fp32: 0 and subnormals give 0
+            mul = rcp_rn(sg)
+    else:
+        mul = ue8m0_to_f32(Uint32(254) - sbyte)
+    return mul
