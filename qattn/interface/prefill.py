@@ -184,8 +184,8 @@ def _launch(cfg: PrefillConfig, q_int8, k_int8, v, out, lse, q_scale, k_scale, c
             pdl: bool = False) -> None:
     """``pdl``: the kernel launched just before on this stream is the prepass of these inputs (see the
     kernel's ``pdl``): set by ``flash_attn_func`` / ``flash_attn_varlen_func`` only. ``window``: the call's
-    :class:`~qattn.interface.window.Window`, whose flags ``cfg.causal`` / ``cfg.local`` are. ``k_mean``:
-    ``cfg.softcap`` only, K's smoothing mean (None: an unsmoothed K)."""
+    :class:`~qattn.interface.window.Window`, whose flags ``cfg.causal`` / ``cfg.local`` are. ``k_mean``: K's
+    smoothing mean (None: none, or an unsmoothed K), added back to the scores before a soft cap, else to the LSE."""
     dev = q_int8.device
     arch = _check_arch(dev)
 
@@ -257,14 +257,16 @@ def prefill_int8(
     Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
-    fp32. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
+    fp32: with ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K (with a
+    balanced prepass ``k_mean / qk_balance``), that of the scores with the mean put back, ``+ softmax_scale *
+    q . k_mean`` per row (FlashAttention's LSE of the unsmoothed K, e.g. to merge partial results; ``q`` the int8
+    Q times its scale), without it that of the smoothed scores. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
     ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90; SM100
     compile-checked and emulated only). It
-    needs ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K (zeros for
-    an unsmoothed K; with a balanced prepass, ``k_mean / qk_balance``): the kernel adds ``q . k_mean`` back to
-    each row's scores before the cap, which, unlike the softmax, is not invariant to it.
+    needs ``k_mean`` (zeros for an unsmoothed K): the kernel adds ``q . k_mean`` back to each row's scores before
+    the cap, which, unlike the softmax, is not invariant to it.
     """
     if pv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"pv_dtype: expected 'bf16' (V's 16-bit dtype) or 'fp8', got {pv_dtype!r}")
@@ -311,7 +313,7 @@ def prefill_int8(
                                   softmax_scale=softmax_scale, granularity=granularity, softcap=softcap,
                                   k_mean=k_mean, pv_dtype=pv_dtype, tuning=_tuning, quantize_q=quantize_q)
         return (out, lse) if return_lse else out
-    k_mean = _softcap_k_mean(softcap, k_mean, (B, Hkv, D), dev)
+    k_mean = _k_mean_arg(softcap, k_mean, (B, Hkv, D), dev)
     tuning = _tuning or {}  # _tuning: A/B overrides
     long_tile = seqlen_tile_m(D, granularity, pv_dtype, window.causal, "int8", Sk)
     if long_tile is not None and "tile_m" not in tuning:
@@ -340,7 +342,7 @@ def _prefill_sm100(q_int8, q_scale, k_int8, k_scale, v, out, lse_shape: tuple, k
     check_sm100_prefill_options(varlen=cu_seqlens is not None, pv_dtype=pv_dtype, tuning=tuning)
     if quantize_q:
         raise ValueError("q_scale: None (Q quantized inside the kernel) is implemented on SM90 only")
-    k_mean = _softcap_k_mean(softcap, k_mean, k_mean_shape, out.device)  # as on SM90: softcap needs K's mean
+    k_mean = _k_mean_arg(softcap, k_mean, k_mean_shape, out.device)  # as on SM90
     if cu_seqlens is not None and (q_int8.shape[0] == 0 or k_int8.shape[0] == 0):  # packed totals of 0
         return _no_keys(out, *lse_shape)
     q_int8, k_int8, v = contiguous16(q_int8), contiguous16(k_int8), contiguous16(v)
@@ -530,7 +532,7 @@ def prefill_int8_varlen(
                                   softcap=softcap, k_mean=k_mean, pv_dtype=pv_dtype, tuning=_tuning,
                                   quantize_q=quantize_q, cu_seqlens=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
         return (out, lse) if return_lse else out
-    k_mean = _softcap_k_mean(softcap, k_mean, (num_seqs, Hkv, D), dev)
+    k_mean = _k_mean_arg(softcap, k_mean, (num_seqs, Hkv, D), dev)
     cfg = _config(head_dim=D, v_dtype=_DTYPES[out_dtype], causal=window.causal, granularity=granularity,
                   varlen=True, pv_dtype=pv_dtype, quantize_q=quantize_q, balance_qk=qk_balance is not None,
                   local=window.local, softcap=softcap, **(_tuning or {}))
@@ -628,7 +630,8 @@ def flash_attn_func(
     ``balance_qk=True`` (off by default): power-of-two channel scales moved between Q and K before quantizing
     (``Q K^T`` unchanged), for inputs with loud channels (``qattn.quant.qk_int8``); the prepass then also reads
     Q once (its column amax) and takes K's column ranges, and Q is quantized from ``q * qk_balance``.
-    Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32.
+    Returns out like q's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q) fp32 of
+    the caller's K, as FlashAttention's: K's smoothing mean, which the softmax ignores, is put back into it.
 
     ``window_size=(left, right)``: sliding-window (local) attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1 or None: unbounded on that side;
@@ -648,7 +651,7 @@ def flash_attn_func(
     _check_attn_probs(return_attn_probs)
     check_forward_only(q, k, v)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
-               softcap, alibi_slopes, deterministic)
+               softcap, alibi_slopes, deterministic, bool(return_lse))
     # a signature seen before replays its recorded launches (launch_plan.py)
     out, lse = _DENSE_PLANS.call(signature_key((q, k, v), options), (q, k, v),
                                  lambda: _flash_attn_func(q, k, v, *options))
@@ -656,7 +659,7 @@ def flash_attn_func(
 
 
 def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk,
-                     dropout_p, window_size, softcap, alibi_slopes, deterministic):
+                     dropout_p, window_size, softcap, alibi_slopes, deterministic, return_lse=True):
     """:func:`flash_attn_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
     window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
                                                     dropout_p, window_size, softcap, alibi_slopes, deterministic,
@@ -665,10 +668,10 @@ def _flash_attn_func(q, k, v, causal, softmax_scale, qk_quant, granularity, smoo
         from .torch_ops import prefill_op
 
         out, lse = prefill_op(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k), pv_dtype,
-                              qk_quant or "none", balance_qk, *window, softcap=softcap)
+                              qk_quant or "none", balance_qk, *window, softcap=softcap, lse_shift=return_lse)
     else:
         out, lse = _flash_attn_func_eager(q, k, v, bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                          pv_dtype, qk_quant or "none", balance_qk, window, softcap)
+                                          pv_dtype, qk_quant or "none", balance_qk, window, softcap, return_lse)
     return out, lse
 
 
@@ -694,21 +697,23 @@ def _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk, dropo
 _UNSMOOTHED = object()
 
 
-def _softcap_k_mean(softcap: float, k_mean, shape, dev):
-    """The K smoothing mean a soft-capped int8 kernel adds back (None: none to add), checked. Soft-capping is not
-    invariant to the per-row shift q . k_mean that smoothing takes out of the scores, so a caller of the
-    kernel-level functions must say what it was."""
-    if not softcap:
-        if k_mean is not None and k_mean is not _UNSMOOTHED:
-            raise ValueError("k_mean: only used with softcap > 0")
-        return None
+def _k_mean_arg(softcap: float, k_mean, shape, dev):
+    """The K smoothing mean the int8 kernel adds back (None: none to add), checked: to the scores before a soft
+    cap, which unlike the softmax is not invariant to the per-row shift q . k_mean that smoothing takes out of
+    them (so a soft-capped call must say what it was), else to the returned LSE (optional: without it the LSE is
+    that of the smoothed scores)."""
     if k_mean is _UNSMOOTHED:
         return None
+    if not softcap:
+        if k_mean is None:
+            return None
+        _check(k_mean, "k_mean", torch.float32, shape, dev)
+        return _aligned(k_mean.contiguous())
     if k_mean is None:
         raise ValueError("k_mean: softcap > 0 needs K's smoothing mean (quantize_qk_int8's k_mean; zeros for an "
                          "unsmoothed K): soft-capping is not invariant to the shift smoothing takes out")
     _check(k_mean, "k_mean", torch.float32, shape, dev)
-    return k_mean.contiguous()
+    return _aligned(k_mean.contiguous())  # the kernels read it 16 bytes at a time
 
 
 def _check_softcap_balance(softcap: float, balance_qk: bool, kernel_quantizes_q: bool) -> None:
@@ -718,11 +723,13 @@ def _check_softcap_balance(softcap: float, balance_qk: bool, kernel_quantizes_q:
                                   "that quantizes Q reads the balance the smoothing shift needs)")
 
 
-def _internal_k_mean(softcap: float, k_mean):
-    """What an internal call hands ``prefill_int8`` as ``k_mean``: the prepass's mean, or the unsmoothed marker."""
-    if not softcap:
-        return None
-    return _UNSMOOTHED if k_mean is None else k_mean
+def _internal_k_mean(k_mean, softcap: float, lse_shift: bool):
+    """What an internal call hands ``prefill_int8`` as ``k_mean``: the prepass's mean, or the unsmoothed marker.
+    Only where something reads it: a soft cap (the scores), or a returned LSE (``lse_shift``; the shift costs the
+    kernel 1-4 %, H200, so a call that drops the LSE does not pay it)."""
+    if k_mean is None:
+        return _UNSMOOTHED if softcap else None  # a soft-capped call must say it was unsmoothed
+    return k_mean if softcap or lse_shift else None
 
 
 def _check_attn_probs(return_attn_probs) -> None:
@@ -758,7 +765,7 @@ def _check_balance(balance_qk, qk_quant) -> None:
 
 def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                            pv_dtype: str, qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
-                           softcap: float = 0.0):
+                           softcap: float = 0.0, lse_shift: bool = True):
     """Prepass + kernel launches of :func:`flash_attn_func` (arguments already checked); returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8, quantize_qk_int8
 
@@ -783,9 +790,12 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
                                                balance_q=q if balance_qk else None)
         lam = lam[0] if lam else None
     else:  # a prepass-quantized Q carries the balance (Q K^T of the balanced Q and K is the same)
-        q8, qs, k8, ks, k_mean = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
-                                                  warp_q=WARP_Q, block_k=BLOCK_K, balance_qk=balance_qk)[:5]
-    k_mean = _internal_k_mean(softcap, k_mean)
+        q8, qs, k8, ks, k_mean, *q_lam = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k,
+                                                           block_q=BLOCK_Q, warp_q=WARP_Q, block_k=BLOCK_K,
+                                                           balance_qk=balance_qk)
+        if q_lam and k_mean is not None:  # Q carries the balance, the kernel does not see it: k_mean / balance
+            k_mean = k_mean / q_lam[0]
+    k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
@@ -834,7 +844,7 @@ def flash_attn_varlen_func(
     _check_attn_probs(return_attn_probs)
     check_forward_only(q, k, v)
     options = (causal, softmax_scale, qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size,
-               softcap, alibi_slopes, deterministic)
+               softcap, alibi_slopes, deterministic, bool(return_lse))
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     out, lse = _VARLEN_PLANS.call(signature_key(inputs, options + (max_seqlen_q, max_seqlen_k)), inputs,
                                   lambda: _flash_attn_varlen_func(*inputs, max_seqlen_q, max_seqlen_k, *options))
@@ -883,7 +893,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
 
 def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                             qk_quant, granularity, smooth_k, pv_dtype, balance_qk, dropout_p, window_size, softcap,
-                            alibi_slopes, deterministic):
+                            alibi_slopes, deterministic, return_lse=True):
     """:func:`flash_attn_varlen_func`'s checks and launches (or its custom op under torch.compile): (out, lse)."""
     window, softmax_scale, softcap = _check_options(q, k, v, softmax_scale, qk_quant, pv_dtype, balance_qk,
                                                     dropout_p, window_size, softcap, alibi_slopes, deterministic,
@@ -894,11 +904,12 @@ def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         out, lse = prefill_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int_arg(max_seqlen_q, "max_seqlen_q"),
                                      int_arg(max_seqlen_k, "max_seqlen_k"),
                                      bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                     qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype, softcap=softcap)
+                                     qk_quant or "none", balance_qk, *window, pv_dtype=pv_dtype, softcap=softcap,
+                                     lse_shift=return_lse)
     else:
         out, lse = _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  bool(causal), float(softmax_scale), granularity, bool(smooth_k),
-                                                 qk_quant or "none", balance_qk, window, pv_dtype, softcap)
+                                                 qk_quant or "none", balance_qk, window, pv_dtype, softcap, return_lse)
     return out, lse
 
 
@@ -915,7 +926,7 @@ def _check_empty_varlen(q, k, v, granularity: str, softcap: float, balance_qk: b
 def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                   causal: bool, softmax_scale: float, granularity: str, smooth_k: bool,
                                   qk_quant: str = "int8", balance_qk: bool = False, window=(-1, -1),
-                                  pv_dtype: str = "bf16", softcap: float = 0.0):
+                                  pv_dtype: str = "bf16", softcap: float = 0.0, lse_shift: bool = True):
     """Prepass + kernel launches of :func:`flash_attn_varlen_func`; returns (out, lse)."""
     from ..quant.launch import _check_pair, quantize_k_int8_varlen, quantize_qk_int8_varlen
 
@@ -948,11 +959,13 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                          max_seqlen_q=max_seqlen_q) if balance_qk else {}))
         lam = lam[0] if lam else None
     else:
-        q8, qs, k8, ks, k_mean = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                         max_seqlen_k, granularity=granularity, smooth_k=smooth_k,
-                                                         block_q=BLOCK_Q, warp_q=WARP_Q, block_k=BLOCK_K,
-                                                         balance_qk=balance_qk)[:5]
-    k_mean = _internal_k_mean(softcap, k_mean)
+        q8, qs, k8, ks, k_mean, *q_lam = quantize_qk_int8_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, granularity=granularity,
+                                                                  smooth_k=smooth_k, block_q=BLOCK_Q, warp_q=WARP_Q,
+                                                                  block_k=BLOCK_K, balance_qk=balance_qk)
+        if q_lam and k_mean is not None:  # Q carries the balance, the kernel does not see it: k_mean / balance
+            k_mean = k_mean / q_lam[0]
+    k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8_varlen
 

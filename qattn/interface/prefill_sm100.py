@@ -84,8 +84,10 @@ def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torc
     """Run the SM100 kernel on validated, contiguous, 16-byte aligned tensors (``prefill.prefill_int8``'s):
     q_int8 (B, Sq, Hq, D), k_int8 / v (B, Sk, Hkv, D), q_scale (B, Hq, groups), k_scale (B, Hkv, k blocks);
     writes out (B, Sq, Hq, D) and lse (B, Hq, Sq). ``window``: the call's ``qattn.interface.window.Window``
-    (causal mask and sliding window). ``softcap > 0``: the soft-capped variant; ``k_mean`` (B, Hkv, D) fp32,
-    contiguous, is K's smoothing mean that it adds back per row (None: an unsmoothed K, no shift).
+    (causal mask and sliding window). ``softcap > 0``: the soft-capped variant. ``k_mean`` (B, Hkv, D) fp32,
+    contiguous, is K's smoothing mean, which every variant puts back per row (q . k_mean): into the scores before
+    the cap, else into the returned LSE (that of the unsmoothed K, as FlashAttention's); None: an unsmoothed K, no
+    shift (address 0).
 
     ``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q): packed sequences (``prefill.prefill_int8_varlen``'s
     tensors): q_int8 (total_q, Hq, D), k_int8 / v (total_k, Hkv, D), int32 cu_seqlens (num_seqs + 1,) on the
@@ -104,11 +106,12 @@ def prefill_int8_sm100(q_int8: torch.Tensor, q_scale: torch.Tensor, k_int8: torc
         raise ValueError("q_int8: too large for the SM100 kernel's 32-bit indexing; split the batch")
     cfg = sm100_prefill_config_for(D, v.dtype, window.causal, granularity, window.local, softcap,
                                    varlen=cu_seqlens is not None)
-    # capped, the kernel's scale gives z / softcap (its tanh argument) instead of z * log2 e (as on SM90)
+    # capped, the kernel's scale gives z / softcap (its tanh argument) instead of z * log2 e (as on SM90). K's mean
+    # (0: none) goes to every variant, with q_int8's address (its rows give the shift q . k_mean)
     args = (q_int8.data_ptr(), k_int8.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), q_scale.data_ptr(),
             k_scale.data_ptr(), batch, Sq, Sk, Hq, Hkv, q_scale.shape[2], k_scale.shape[2],
             score_scale(softmax_scale, softcap), *window.edges,
-            0 if k_mean is None or not softcap else k_mean.data_ptr(), *cu)
+            0 if k_mean is None else k_mean.data_ptr(), *cu)
     _launch(cfg, args, q_int8.device)
 
 

@@ -155,18 +155,18 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
 def prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str,
                balance_qk: bool = False, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0, lse_shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel; ``qk_quant`` "int8" or "none") as one op:
-    returns (out, lse)."""
+    returns (out, lse); ``lse_shift``: the LSE is needed (K's smoothing mean put back into it)."""
     from .prefill import _flash_attn_func_eager
 
     return _flash_attn_func_eager(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant,
-                                  balance_qk, (window_left, window_right), softcap)
+                                  balance_qk, (window_left, window_right), softcap, lse_shift)
 
 
 @prefill_op.register_fake
 def _(q, k, v, causal, softmax_scale, granularity, smooth_k, pv_dtype, qk_quant, balance_qk=False, window_left=-1,
-      window_right=-1, softcap=0.0):
+      window_right=-1, softcap=0.0, lse_shift=True):
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -177,18 +177,19 @@ def prefill_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       softmax_scale: float, granularity: str, smooth_k: bool,
                       qk_quant: str, balance_qk: bool = False, window_left: int = -1,
                       window_right: int = -1, pv_dtype: str = "bf16",
-                      softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      softcap: float = 0.0, lse_shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_varlen_func`` as one op: returns (out (total_q, Hq, D), lse (Hq, total_q))."""
     from .prefill import _flash_attn_varlen_func_eager
 
     return _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                          softmax_scale, granularity, smooth_k, qk_quant, balance_qk,
-                                         (window_left, window_right), pv_dtype, softcap)
+                                         (window_left, window_right), pv_dtype, softcap, lse_shift)
 
 
 @prefill_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, granularity,
-      smooth_k, qk_quant, balance_qk=False, window_left=-1, window_right=-1, pv_dtype="bf16", softcap=0.0):
+      smooth_k, qk_quant, balance_qk=False, window_left=-1, window_right=-1, pv_dtype="bf16", softcap=0.0,
+      lse_shift=True):
     Tq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((Hq, Tq), dtype=torch.float32)
 

@@ -138,7 +138,9 @@ def prefill_reference(
     q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D). With ``qk_quant="int8"``, Q and K are quantized exactly as
     :func:`qattn.quant.quantize_qk_int8_reference` does (K mean-smoothed first when ``smooth_k``), and the
     scores are the exact values ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` that an INT8 tensor
-    core kernel computes before its softmax; P and V stay exact. ``qk_quant=None`` is plain attention.
+    core kernel computes before its softmax; P and V stay exact. ``qk_quant=None`` is plain attention. The LSE
+    (``return_lse``) is that of the scores with K's smoothing mean put back (:func:`lse_smoothing_shift`), as the
+    kernels return it.
     ``window_size`` as in :func:`attention_reference`.
     """
     if qk_quant is None:
@@ -148,10 +150,29 @@ def prefill_reference(
         raise ValueError(f"qk_quant: expected None or 'int8', got {qk_quant!r}")
     from ..quant.qk_int8 import quantize_qk_int8_reference
 
-    q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k,
-                                                   block_q=block_q, warp_q=warp_q, block_k=block_k)
+    q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k,
+                                                        block_q=block_q, warp_q=warp_q, block_k=block_k)
     q_rows = warp_q if granularity == "per_warp" else block_q
     qd = q8.double() * _expand_rows(qs, q_rows, q.shape[1])  # exact in fp64: int8 x fp32
     kd = k8.double() * _expand_rows(ks, block_k, k.shape[1])
-    return attention_reference(qd, kd, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                               window_size=window_size)
+    res = attention_reference(qd, kd, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                              window_size=window_size)
+    if not return_lse:
+        return res
+    out, lse = res
+    return out, lse + lse_smoothing_shift(qd, k_mean, softmax_scale)
+
+
+def lse_smoothing_shift(q: torch.Tensor, k_mean: torch.Tensor | None, softmax_scale: float | None) -> torch.Tensor:
+    """(B, Hq, Sq) float64: ``softmax_scale * q . k_mean`` per query row, what K's smoothing took out of every
+    score of the row (0 without smoothing). The softmax is invariant to it, the LSE is not: the kernels add it
+    to the LSE they return (``return_lse``), so that it is the LSE of the scores of the unsmoothed K, as
+    FlashAttention's (and SageAttention's), and partial results can be merged by it. ``q`` (B, Sq, Hq, D) is
+    the Q the scores use (the dequantized int8 Q, ``q_int8 * q_scale``); ``k_mean`` (B, Hkv, D) or None."""
+    B, Sq, Hq, D = q.shape
+    if k_mean is None:
+        return torch.zeros(B, Hq, Sq, dtype=torch.float64, device=q.device)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    km = k_mean.double().repeat_interleave(Hq // k_mean.shape[1], dim=1)  # B Hq D
+    return torch.einsum("bshd,bhd->bhs", q.double(), km) * softmax_scale

@@ -30,6 +30,7 @@ import torch
 from ..quant.qk_int8 import quantize_qk_int8_reference
 from ..quant.reference import e4m3_decode, e4m3_encode
 from ..quant.v_fp8 import dequantize_v_fp8_reference, quantize_v_fp8_reference
+from .attention import lse_smoothing_shift
 
 __all__ = ["prefill_fp8pv_emulation", "P_FP8_SCALE"]
 
@@ -55,12 +56,15 @@ def prefill_fp8pv_emulation(
     return_lse: bool = False,
     quantized: tuple | None = None,
     window_size: tuple = (-1, -1),
+    k_mean: torch.Tensor | None = None,
 ):
     """Emulated output (B, Sq, Hq, D) in ``out_dtype`` (default q's dtype; ``torch.float64`` keeps it unrounded)
     and, with ``return_lse``, the natural-log LSE (B, Hq, Sq) fp64. q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D).
 
     ``quantized`` = (q_int8, q_scale, k_int8, k_scale, vt, v_scale) replaces step 1 (e.g. the GPU prepass's
-    outputs). ``window_size``: FlashAttention's sliding window, as in ``qattn.reference.attention_reference``."""
+    outputs), with ``k_mean`` (B, Hkv, D), the mean the prepass took out of K (None: an unsmoothed K); the LSE is
+    that of the scores with it put back (``qattn.reference.lse_smoothing_shift``), as the kernels return it.
+    ``window_size``: FlashAttention's sliding window, as in ``qattn.reference.attention_reference``."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -68,7 +72,7 @@ def prefill_fp8pv_emulation(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if quantized is None:
-        q8, qs, k8, ks, _ = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k)
+        q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k)
         vt, vs = quantize_v_fp8_reference(v)
     else:
         q8, qs, k8, ks, vt, vs = quantized
@@ -128,4 +132,5 @@ def prefill_fp8pv_emulation(
         return out
     lse = torch.where(row_sum > 0, (row_max + torch.log2(row_sum.clamp_min(1e-300)) - L) * math.log(2.0),
                       torch.full_like(row_sum, -math.inf))
-    return out, lse
+    qd = q8.double() * qs.double().repeat_interleave(q_rows, dim=2)[:, :, :Sq].permute(0, 2, 1)[..., None]
+    return out, lse + lse_smoothing_shift(qd, k_mean, softmax_scale)

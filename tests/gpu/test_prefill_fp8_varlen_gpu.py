@@ -81,7 +81,7 @@ def test_fp8_varlen_kernel_vs_emulation(granularity, causal, D):
                                  granularity=granularity, return_lse=True, out=out, pv_dtype="fp8", v_scale=vs)
     assert torch.isfinite(o).all(), "NaN left in the output (a row was not written)"
     start = 0
-    for i, ((q, k, vv, q8i, qsi, k8i, ksi), lq) in enumerate(zip(seqs, lens_q)):
+    for i, ((q, k, vv, q8i, qsi, k8i, ksi, _), lq) in enumerate(zip(seqs, lens_q)):
         emu, emu_lse = prefill_fp8pv_emulation(q, k, vv, causal=causal, granularity=granularity, return_lse=True,
                                                quantized=(q8i, qsi, k8i, ksi, _region(vt, cu_k, i), vs[i:i + 1]),
                                                out_dtype=torch.float64)

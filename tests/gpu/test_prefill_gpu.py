@@ -53,12 +53,13 @@ def _cos(x, ref):
     return float(torch.nn.functional.cosine_similarity(x.double().flatten(), ref.flatten(), dim=0))
 
 
-def _run_kernel(q8, qs, k8, ks, v, causal, granularity, out_dtype):
+def _run_kernel(q8, qs, k8, ks, v, causal, granularity, out_dtype, k_mean=None):
     from qattn.interface.prefill import prefill_int8
 
     B, Sq, Hq, D = q8.shape
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=out_dtype, device="cuda")
-    o, lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, granularity=granularity, return_lse=True, out=out)
+    o, lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, granularity=granularity, return_lse=True, out=out,
+                          k_mean=k_mean)
     return o, lse
 
 
@@ -76,8 +77,9 @@ def test_kernel_error_vs_same_quantization(shape, granularity, causal, D):
 
     B, Sq, Sk, Hq, Hkv = shape
     q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, seed=Sq + Sk + D)
-    q8, qs, k8, ks, _ = _quantize(q, k, granularity)
-    o, lse = _run_kernel(q8, qs, k8, ks, v, causal, granularity, torch.bfloat16)
+    q8, qs, k8, ks, k_mean = _quantize(q, k, granularity)
+    # k_mean: the LSE with the smoothing shift put back, as the reference's (test_lse_is_that_of_the_unsmoothed_k)
+    o, lse = _run_kernel(q8, qs, k8, ks, v, causal, granularity, torch.bfloat16, k_mean=k_mean)
     ref, ref_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", granularity=granularity,
                                      return_lse=True)
     assert torch.isfinite(o).all(), "NaN left in the output (a row was not written)"
@@ -249,7 +251,7 @@ def _varlen_inputs(lens_q, lens_k, Hq, Hkv, D, granularity, seed=0):
         q = torch.randn(1, lq, Hq, D, device="cuda", generator=g).bfloat16()
         k = (torch.randn(1, lk, Hkv, D, device="cuda", generator=g) + 0.5).bfloat16()
         v = torch.randn(1, lk, Hkv, D, device="cuda", generator=g).bfloat16()
-        seqs.append((q, k, v) + tuple(_quantize(q, k, granularity)[:4]))
+        seqs.append((q, k, v) + tuple(_quantize(q, k, granularity)))
     n_qg = max(s[4].shape[2] for s in seqs)
     n_kb = max(s[6].shape[2] for s in seqs)
     qs = torch.zeros(len(seqs), Hq, n_qg, device="cuda")
@@ -273,8 +275,9 @@ def test_varlen_matches_each_sequence(causal, D):
         lens_k = [max(a, b) for a, b in zip(lens_q, lens_k)]
     seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D)
     out = torch.full((sum(lens_q), 4, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    k_mean = torch.cat([s[7] for s in seqs])  # (num_seqs, Hkv, D): each sequence's own mean
     o, lse = prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                 return_lse=True, out=out)
+                                 return_lse=True, out=out, k_mean=k_mean)
     start = 0
     for (q, k, vv, *_), lq in zip(seqs, lens_q):
         ref, ref_lse = prefill_reference(q, k, vv, causal=causal, qk_quant="int8", return_lse=True)
@@ -355,14 +358,62 @@ def assert_flash_attn_func_equals_prepass_path(q, k, v, causal, pv_dtype="bf16",
 
     got, got_lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True,
                                          balance_qk=balance_qk)
-    q8, qs, k8, ks = quantize_qk_int8(q, k, balance_qk=balance_qk)[:4]
+    q8, qs, k8, ks, km, *lam = quantize_qk_int8(q, k, balance_qk=balance_qk)
+    km = km / lam[0] if lam else km  # the int8 Q carries the balance: the mean the LSE shift needs is k_mean / it
     if pv_dtype == "fp8":
         vt, vs = quantize_v_fp8(v)
         want, want_lse = prefill_int8(q8, qs, k8, ks, vt, causal=causal, return_lse=True, pv_dtype="fp8",
-                                      v_scale=vs, out_dtype=q.dtype)
+                                      v_scale=vs, out_dtype=q.dtype, k_mean=km)
     else:
-        want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True)
+        want, want_lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, return_lse=True, k_mean=km)
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("pv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_is_that_of_the_unsmoothed_k(causal, varlen, pv_dtype):
+    """return_lse with smooth_k (the default): FlashAttention's LSE of the caller's K, not that of the smoothed
+    scores (off by softmax_scale * q . k_mean per row; K with channel offsets makes that large), so partial results
+    merge by it. Dense and varlen (each sequence its own mean), split tails (dense non-causal) and FP8 P x V."""
+    import qattn
+    from qattn.reference.attention import attention_reference
+
+    lens_q, lens_k = [333, 1, 1000], [700, 900, 1000]
+    g = torch.Generator(device="cuda").manual_seed(31 + causal + 2 * varlen)
+    offs = 3.0 * torch.randn(2, 64, device="cuda", generator=g)  # per kv head and channel
+
+    def qkv(sq, sk):
+        q = torch.randn(sq, 4, 64, device="cuda", generator=g)
+        k = torch.randn(sk, 2, 64, device="cuda", generator=g) + offs
+        return q.bfloat16(), k.bfloat16(), torch.randn(sk, 2, 64, device="cuda", generator=g).bfloat16()
+
+    if varlen:
+        seqs = [qkv(a, b) for a, b in zip(lens_q, lens_k)]
+        cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")  # noqa: E731
+        q, k, v = (torch.cat([s[j] for s in seqs]) for j in range(3))
+        _, lse = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                              causal=causal, pv_dtype=pv_dtype, return_lse=True)
+        _, plain = qattn.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                                causal=causal, pv_dtype=pv_dtype, return_lse=True, smooth_k=False)
+        ref = torch.cat([attention_reference(*(t.unsqueeze(0) for t in s), causal=causal, return_lse=True)[1][0]
+                         for s in seqs], dim=1)  # (Hq, total_q)
+        shift = torch.cat([(s[0].double() * 0.125).view(-1, 2, 2, 64).mul(
+            s[1].double().mean(0)[None, :, None]).sum(-1).reshape(-1, 4).T for s in seqs], dim=1)
+    else:
+        q, k, v = (t.unsqueeze(0) for t in qkv(1000, 1000))
+        _, lse = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True)
+        _, plain = qattn.flash_attn_func(q, k, v, causal=causal, pv_dtype=pv_dtype, return_lse=True, smooth_k=False)
+        ref = attention_reference(q, k, v, causal=causal, return_lse=True)[1]
+        shift = (q[0].double() * 0.125).view(-1, 2, 2, 64).mul(k[0].double().mean(0)[None, :, None]).sum(-1)
+        shift = shift.reshape(-1, 4).T[None]
+    err = float((lse.double() - ref).abs().max())
+    err_plain = float((plain.double() - ref).abs().max())
+    err_smoothed = float((lse.double() - shift - ref).abs().max())  # what the LSE was before
+    print(f"LSE vs fp64, causal={causal} varlen={varlen} {pv_dtype}: {err:.4f} (smooth_k=False {err_plain:.4f}, "
+          f"smoothed scores' LSE {err_smoothed:.2f})")
+    # int8 Q K^T alone costs ~0.11 here (CPU reference, smoothed or not): the bar is the unsmoothed path's
+    assert err <= 0.2 and err <= err_plain + 0.02 and err_smoothed > 1.0, (err, err_plain, err_smoothed)
 
 
 @pytest.mark.parametrize("causal", [False, True])

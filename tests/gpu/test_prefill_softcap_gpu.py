@@ -112,8 +112,12 @@ def test_softcap_kernel_level_needs_k_mean():
     q8, qs, k8, ks, km = quantize_qk_int8(q, k, granularity="per_block")
     with pytest.raises(ValueError, match="k_mean"):
         prefill_int8(q8, qs, k8, ks, v, granularity="per_block", softcap=1.0)
-    with pytest.raises(ValueError, match="k_mean"):
-        prefill_int8(q8, qs, k8, ks, v, granularity="per_block", k_mean=km)  # without softcap
+    # without softcap k_mean is optional: it only puts the smoothing shift back into the LSE
+    plain, plain_lse = prefill_int8(q8, qs, k8, ks, v, granularity="per_block", return_lse=True)
+    shifted, shifted_lse = prefill_int8(q8, qs, k8, ks, v, granularity="per_block", k_mean=km, return_lse=True)
+    want_plain = qattn.flash_attn_func(q, k, v, granularity="per_block", return_lse=True)
+    assert torch.equal(plain, shifted) and torch.equal(shifted, want_plain[0])
+    assert torch.equal(shifted_lse, want_plain[1]) and not torch.equal(plain_lse, shifted_lse)
     got = prefill_int8(q8, qs, k8, ks, v, granularity="per_block", softcap=1.0, k_mean=km, return_lse=True)
     want = qattn.flash_attn_func(q, k, v, granularity="per_block", softcap=1.0, return_lse=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -49,10 +49,10 @@ def test_window_kernel_vs_same_quantization(window, shape, D):
     B, Sq, Sk, Hq, Hkv = shape
     granularity = "per_block" if Sq == 77 else "per_warp"
     q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, seed=Sq + Sk + D + left)
-    q8, qs, k8, ks, _ = _quantize(q, k, granularity)
+    q8, qs, k8, ks, k_mean = _quantize(q, k, granularity)
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = prefill_int8(q8, qs, k8, ks, v, causal=causal, granularity=granularity, return_lse=True, out=out,
-                          window_size=(left, right))
+                          window_size=(left, right), k_mean=k_mean)
     ref, ref_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", granularity=granularity,
                                      return_lse=True, window_size=(left, right))
     _check(o, lse, ref, ref_lse)
@@ -119,7 +119,8 @@ def test_window_varlen_matches_each_sequence(window, D):
     seqs, q8, qs, k8, ks, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, D, "per_warp", seed=D + left)
     out = torch.full((sum(lens_q), 4, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = prefill_int8_varlen(q8, qs, k8, ks, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                 return_lse=True, out=out, window_size=(left, right))
+                                 return_lse=True, out=out, window_size=(left, right),
+                                 k_mean=torch.cat([s[7] for s in seqs]))
     start = 0
     for (q, k, vv, *_), lq in zip(seqs, lens_q):
         ref, ref_lse = prefill_reference(q, k, vv, causal=causal, qk_quant="int8", return_lse=True,

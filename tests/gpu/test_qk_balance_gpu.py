@@ -213,7 +213,7 @@ def test_kernel_quantizing_balanced_q_fp8_pv_and_varlen(causal):
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     got, got_lse = qattn.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                 balance_qk=True, return_lse=True)
-    q8, qs, k8, ks, _, _ = quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, max(lens_q), max(lens_k), balance_qk=True)
+    q8, qs, k8, ks, km, lam = quantize_qk_int8_varlen(qv, kv, cu_q, cu_k, max(lens_q), max(lens_k), balance_qk=True)
     want, want_lse = prefill_int8_varlen(q8, qs, k8, ks, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                         return_lse=True)
+                                         return_lse=True, k_mean=km / lam)
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)

@@ -43,6 +43,7 @@ def test_flash_attn_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, gran, b
     assert args[7:14] == (2, 200, 300, 4, 2, n_qg, 3)
     assert math.isclose(args[14], math.log2(math.e) / math.sqrt(D))
     assert all(isinstance(a, int) and a != 0 for a in args[:7])
+    assert args[17] != 0  # smooth_k (the default): K's mean, which the kernel puts back into the LSE
     assert args[18:] == (0, 0, 200)  # dense: no cu_seqlens, the grid from seqlen_q
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, 200)
     # the compile-cache key: the arch first, then everything that changes the code
@@ -126,7 +127,7 @@ def test_sm100_window_reaches_the_kernel(gpu, causal, ws, local, upper, edges):
     assert len(calls) == 1 and calls[0][0] == "sm100"
     _, cfg, args = calls[0]
     assert cfg.local == local and cfg.causal == upper and "local" in cfg.key
-    assert tuple(args[15:17]) == edges and args[17] == 0  # no softcap: no K mean address
+    assert tuple(args[15:17]) == edges and args[17] != 0  # no softcap: K's mean still goes in (the LSE's shift)
 
 
 def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):
@@ -157,7 +158,8 @@ def test_sm100_softcap_reaches_the_kernel(gpu, causal, ws, gran, smooth):
 
 
 def test_sm100_prefill_int8_passes_k_mean(gpu):
-    """prefill_int8(..., softcap, k_mean) on SM100: the mean's address reaches the kernel; its shape is checked."""
+    """prefill_int8(..., k_mean) on SM100: the mean's address reaches the kernel, capped (into the scores) or not
+    (into the LSE); without one (or from an unsmoothed K) address 0, no shift; its shape is checked either way."""
     calls = gpu((10, 0))
     q, k, v = _qkv()
     q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k)
@@ -167,10 +169,13 @@ def test_sm100_prefill_int8_passes_k_mean(gpu):
     qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True)
     assert calls[1][1].softcap == 0.0 and calls[1][2][17] == 0
     assert math.isclose(calls[1][2][14], math.log2(math.e) / math.sqrt(128))
-    with pytest.raises(ValueError, match="k_mean"):
-        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=50.0, k_mean=k_mean[:, :1])
-    with pytest.raises(ValueError, match="k_mean: only used with softcap > 0"):
-        qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, k_mean=k_mean)
+    qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, causal=True, k_mean=k_mean)
+    assert calls[2][1].softcap == 0.0 and calls[2][2][17] == k_mean.data_ptr() and calls[2][2][0] == q8.data_ptr()
+    qattn.flash_attn_func(q, k, v, smooth_k=False)  # an unsmoothed K: nothing to put back
+    assert calls[3][2][17] == 0 and len(calls) == 4
+    for cap in (50.0, 0.0):
+        with pytest.raises(ValueError, match="k_mean"):
+            qattn.interface.prefill.prefill_int8(q8, qs, k8, ks, v, softcap=cap, k_mean=k_mean[:, :1])
 
 
 def test_sm100_softcap_variants_are_the_launcher_keys(capsys):
@@ -254,7 +259,7 @@ def test_flash_attn_varlen_func_reaches_the_sm100_kernel(gpu, D, dtype, causal, 
     assert args[7:14] == (4, sum(lens_q), sum(lens_k), 4, 2, n_qg, 4)
     scale = 1 / math.sqrt(D) / cap if cap else math.log2(math.e) / math.sqrt(D)
     assert math.isclose(args[14], scale, rel_tol=1e-12)
-    assert tuple(args[15:17]) == window.edges and (args[17] != 0) == bool(cap)  # K's mean only when capped
+    assert tuple(args[15:17]) == window.edges and args[17] != 0  # K's mean: into the scores (capped) or the LSE
     assert args[18:] == (cu_q.data_ptr(), cu_k.data_ptr(), 300)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (4, sum(lens_q))
 

@@ -1,6 +1,7 @@
 """CPU CI: every shipped dense SM100 INT8-QK prefill variant (head_dim 64/128 x causal x q-scale granularity x V
 dtype, 16 in all; varlen twins below) compiles for sm_100a, and its PTX holds the int8 tcgen05.mma (Q K^T), the 16-bit tcgen05.mma (P.V),
-TMA loads, TMEM allocation and the TMEM loads/stores with their waits. Compile times are appended to
+TMA loads, TMEM allocation, the TMEM loads/stores with their waits and the read of each thread's int8 Q row for
+K's smoothing shift (the LSE's, or with softcap the scores'). Compile times are appended to
 ``$QATTN_COMPILE_TIMES`` (default: none) and printed. NOTE: this kernel never ran on hardware."""
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ def test_prefill_sm100_compiles(case):
     # tcgen05.ld is asynchronous: waited on once for S, once per 32-column chunk of the O rescale (chunks keep the
     # D128 kernels free of spills), once for the epilogue's O
     assert ptx_count(ptx, r"tcgen05\.wait::ld") == 2 + D // 32 and ptx_count(ptx, r"tcgen05\.wait::st") >= 1
-    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128  # the S row: int32 -> fp32
+    # the S row: int32 -> fp32; once per CTA D more, the Q row's bytes of K's smoothing shift (``_row_shift``)
+    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128 + D
     pack = r"cvt\.rn\.bf16x2\.f32" if vd == "bf16" else r"cvt\.rn\.f16x2\.f32"
     assert ptx_count(ptx, pack) == 64  # P rounded to V's type, two per TMEM column
     assert ptx_count(ptx, r"tanh\.approx") == 0  # no softcap
+    # K's smoothing mean put back into the LSE: each thread's int8 Q row, read once (D / 16 128-bit loads)
+    assert ptx_count(ptx, r"ld\.global\.v4") == D // 16
 
 
 def test_config_rejects():
@@ -72,7 +76,7 @@ def test_prefill_sm100_window_compiles(D, causal):
     assert ptx_count(ptx, r"tcgen05\.mma\.cta_group::1\.kind::i8") == D // 32
     assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
     assert ptx_count(ptx, r"cp\.async\.bulk\.tensor") > 0 and ptx_count(ptx, r"tcgen05\.alloc") == 1
-    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128
+    assert ptx_count(ptx, r"cvt\.rn\.f32\.s32") == 128 + D  # the S row, and the Q row of the smoothing shift
 
 
 @pytest.mark.parametrize("D,causal,gran,local", [(128, True, "per_warp", False), (64, False, "per_block", True)])
@@ -107,7 +111,8 @@ def test_prefill_sm100_varlen_compiles(D, causal, gran, vd, local, cap):
     _, ptx_dense = compile_for_arch(QKInt8PrefillSm100(dense), *prefill_sm100_compile_args(), arch="sm_100a")
     for pat in (r"tcgen05\.mma\.cta_group::1\.kind::i8", r"tcgen05\.mma\.cta_group::1\.kind::f16", r"tcgen05\.mma",
                 r"tcgen05\.alloc", r"tcgen05\.dealloc", r"tcgen05\.commit", r"tcgen05\.wait::ld",
-                r"cvt\.rn\.f32\.s32", r"cvt\.rn\.(bf16|f16)x2\.f32", r"tanh\.approx\.f32", r"cp\.async\.bulk\.tensor"):
+                r"cvt\.rn\.f32\.s32", r"cvt\.rn\.(bf16|f16)x2\.f32", r"tanh\.approx\.f32", r"cp\.async\.bulk\.tensor",
+                r"ld\.global\.v4"):
         assert ptx_count(ptx, pat) == ptx_count(ptx_dense, pat), pat
     assert ptx_count(ptx, r"tcgen05\.mma") == D // 32 + 8
     assert ptx_count(ptx, r"cp\.async\.bulk\.tensor\.3d") > 0 and ptx_count(ptx, r"cp\.async\.bulk\.tensor\.4d") == 0

@@ -70,7 +70,8 @@ def test_kernel_error_vs_int8_reference(case):
     none = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), none)
     assert (o.permute(0, 2, 1, 3)[none] == 0).all()
-    # the LSE only sees the int8 scores and the fp32 softmax
+    # the LSE only sees the int8 scores, the fp32 softmax and K's smoothing mean put back (the reference's
+    # lse_smoothing_shift over the same int8 Q)
     assert torch.allclose(lse[~none].double(), ref_lse[~none], atol=2e-4, rtol=0)
     # P rounded to bf16 (8 bits) / fp16 (11 bits) and the output rounding: the kernel's own error
     bound = 0.005 if dt == torch.bfloat16 else 0.002
@@ -268,7 +269,7 @@ def test_varlen_vs_per_sequence_references(case):
             qd, kd = _dequantized(q8, qs, k8, ks, k_mean, gran)
             ref, ref_lse = attention_reference(qd, kd, vi, causal=causal, window_size=ws, softcap=cap,
                                                return_lse=True)
-        else:  # softmax is invariant to the mean: fp64 over the int8 Q/K (smoothed K), LSE included
+        else:  # softmax is invariant to the mean: fp64 over the int8 Q/K (smoothed K), the LSE with the mean put back
             ref, ref_lse = prefill_reference(qi, ki, vi, causal=causal, qk_quant="int8", granularity=gran,
                                              window_size=ws, return_lse=True)
         none = torch.isinf(ref_lse)
@@ -319,3 +320,76 @@ def test_varlen_tiles_read_the_next_sequence():
     # the scales are the varlen prepass's: passing them explicitly gives the same result
     quant = quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, 100, 100)[:4]
     assert torch.equal(emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, 100, 100, causal=True, quantized=quant), base)
+
+
+# ---- LSE: K's smoothing mean put back ------------------------------------------------------------------------------
+def _lse_errors(lse, unshifted, ref_lse):
+    """|LSE - exact| of the kernel's LSE and of the smoothed scores' LSE (no mean put back), over rows with keys."""
+    none = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), none) and torch.equal(torch.isinf(unshifted), none)
+    return (lse[~none].double() - ref_lse[~none]).abs(), (unshifted[~none].double() - ref_lse[~none]).abs()
+
+
+def _check_lse_errors(err, err_unshifted):
+    # Q's int8 rounding times K's mean of 3 moves whole rows by up to ~0.1 (measured max 0.099, mean 0.020): the
+    # format's error. Without the mean put back each row is off by softmax_scale * q . k_mean, ~3 |N(0, 1)| here
+    # (measured mean 2.4): the tolerance tells the two apart.
+    assert err.max() <= 0.15 and err.mean() <= 0.03, (float(err.max()), float(err.mean()))
+    assert err_unshifted.mean() > 1.0 and (err_unshifted > 0.15).double().mean() > 0.8, float(err_unshifted.mean())
+
+
+@pytest.mark.parametrize("causal,ws,gran,Hq,Hkv,D", [(True, (-1, -1), "per_warp", 4, 2, 128),
+                                                     (False, (-1, -1), "per_block", 4, 1, 64),
+                                                     (False, (64, 16), "per_warp", 4, 4, 128),
+                                                     (True, (-1, -1), "per_block", 6, 2, 64)])
+def test_lse_is_the_unsmoothed_lse(causal, ws, gran, Hq, Hkv, D):
+    """smooth_k (the default) takes K's per-channel mean out before quantizing: the softmax is invariant to it, the
+    LSE is not. The kernel puts q . k_mean back into its LSE (without a cap; the k_mean address it is given), so it
+    is FlashAttention's: that of fp64 attention over the unquantized inputs, here with a K whose channels have a
+    mean of ~3. Given no mean (k_mean address 0) it returns the smoothed scores' LSE, which misses it by far. Over
+    the same int8 Q/K it is the reference's (``lse_smoothing_shift``) to fp32 rounding. The last case: causal
+    Sq > Sk, whose first rows see no key and stay -inf."""
+    sq, sk = (300, 383) if Hq == 4 else (383, 300)
+    q, k, v = _offset_k_inputs(1, sq, sk, Hq, Hkv, D, seed=D + Hkv)
+    o, lse = emulate_prefill_sm100(q, k, v, causal=causal, granularity=gran, window_size=ws, return_lse=True)
+    quant = quantize_qk_int8_reference(q, k, granularity=gran)
+    assert quant[4] is not None and quant[4].abs().min() > 2.0  # a large mean in every channel
+    o_raw, unshifted = emulate_prefill_sm100(q, k, v, causal=causal, granularity=gran, window_size=ws,
+                                             return_lse=True, quantized=quant[:4])
+    assert torch.equal(o, o_raw)  # the mean changes the LSE only
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=ws, return_lse=True)
+    if causal and sq > sk:
+        assert torch.isinf(ref_lse).any()
+    _check_lse_errors(*_lse_errors(lse, unshifted, ref_lse))
+    _, int8_lse = prefill_reference(q, k, v, causal=causal, qk_quant="int8", granularity=gran, window_size=ws,
+                                    return_lse=True)
+    none = torch.isinf(int8_lse)
+    assert torch.allclose(lse[~none].double(), int8_lse[~none], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("causal,ws,gran", [(True, (-1, -1), "per_warp"), (False, (50, 20), "per_block")])
+def test_varlen_lse_is_the_unsmoothed_lse(causal, ws, gran):
+    """Varlen: each sequence's LSE is that of fp64 attention over its own unquantized inputs (its own k_mean row
+    put back), K offset by 3 in every channel; given no mean, the LSE of the smoothed scores misses it by far."""
+    lens_q, lens_k = [130, 1, 250, 0, 77], [300, 40, 250, 9, 0]
+    seqs, q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 128, torch.bfloat16, seed=21, k_offset=3.0)
+    mq, mk = max(lens_q), max(lens_k)
+    _, lse = emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, mq, mk, causal=causal, granularity=gran,
+                                          window_size=ws, return_lse=True)
+    quant = quantize_qk_int8_varlen_reference(q, k, cu_q, cu_k, mq, mk, granularity=gran)[:4]
+    _, unshifted = emulate_prefill_varlen_sm100(q, k, v, cu_q, cu_k, mq, mk, causal=causal, granularity=gran,
+                                                window_size=ws, return_lse=True, quantized=quant)
+    errs, errs_unshifted, row = [], [], 0
+    for (qi, ki, vi), lq, lk in zip(seqs, lens_q, lens_k):
+        got, raw = lse[:, row:row + lq][None], unshifted[:, row:row + lq][None]
+        row += lq
+        if lq == 0:
+            continue
+        if lk == 0:  # no keys: -inf, shift or not
+            assert torch.isneginf(got).all() and torch.isneginf(raw).all()
+            continue
+        _, ref_lse = attention_reference(qi, ki, vi, causal=causal, window_size=ws, return_lse=True)
+        err, err_raw = _lse_errors(got, raw, ref_lse)
+        errs.append(err)
+        errs_unshifted.append(err_raw)
+    _check_lse_errors(torch.cat(errs), torch.cat(errs_unshifted))

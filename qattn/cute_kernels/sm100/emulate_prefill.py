@@ -23,15 +23,20 @@ Per CTA = (batch b, q head h, 128-row query block), in the kernel's order:
    (the kernel's TMEM rescale), then O += P16 . V (products exact, fp64 sum rounded to fp32 once per tile; the
    tensor core accumulates in fp32 in an unspecified order, again an fp32-ulp-level effect).
 6. Epilogue: ``out = fp32(O * fp32(1 / l))`` (``rcp.rn.f32``) rounded to V's dtype (0 for a row that sees no key),
-   ``LSE = (m + log2 l) * ln 2`` (-inf for such a row).
+   ``LSE = (m + log2 l + shift) * ln 2`` (-inf for such a row), computed in fp64 and rounded to fp32 once (the
+   kernel's few fp32 operations and ``lg2.approx``: fp32-ulp-level effects). ``shift`` puts K's smoothing mean
+   back, so that the LSE is that of the unsmoothed K's scores (FlashAttention's; the softmax itself is invariant
+   to it): ``shift = fp32(fp32(q_scale * scale_log2) * dot)`` per row, ``dot = sum_c q_int8[c] * k_mean[c]``
+   (the kernel's sequential fp32 FMA chain modelled as an fp64 sum rounded once), 0 without a mean (an
+   unsmoothed K, the kernel's k_mean address 0). This is ``qattn.reference.lse_smoothing_shift`` in log2 units,
+   over the same int8 Q.
 
 ``softcap`` (the kernel's compile-time cap): ``scale_log2 = fp32(softmax_scale / softcap)`` instead, so
 ``u = fp32(S * scale + shift)`` (one FFMA) is z / softcap, and ``x = fp32(fp32(softcap * log2 e) * tanh(u))``
 replaces step 3's x before the mask (masked keys -inf after the tanh). ``tanh.approx.f32`` is modelled as the
 exact tanh rounded to fp32 (the hardware's relative error is ~2^-11: far above fp32 rounding, far below the
-cap's effect). ``shift = fp32(fp32(q_scale * scale_log2) * dot)`` per row, ``dot = sum_c q_int8[c] * k_mean[c]``
-(K's smoothing mean; the kernel's sequential fp32 FMA chain modelled as an fp64 sum rounded once), 0 without a
-mean (an unsmoothed K).
+cap's effect). ``shift`` is step 6's, in these pre-tanh units (the cap is not invariant to it); it is in the
+scores, so the epilogue does not add it again.
 
 Tiles a causal CTA reads beyond one row's diagonal are fully masked for that row; they change nothing (corr is
 exactly 1, p exactly 0), exactly as in the kernel, so they are run here too (the CTA's own ``n_blocks``).
@@ -96,8 +101,9 @@ def emulate_prefill_sm100(
     """The SM100 kernel's output (B, Sq, Hq, D) in V's dtype and, with ``return_lse``, the natural-log LSE
     (B, Hq, Sq) fp32, computed on the CPU as the module docstring describes. q (B, Sq, Hq, D), k and v
     (B, Sk, Hkv, D), v bf16 or fp16. ``quantized`` = (q_int8, q_scale, k_int8, k_scale[, k_mean]) replaces
-    step 1 (k_mean, read only with ``softcap``: the (B, Hkv, D) mean the kernel adds back; absent or None: no
-    shift, as the kernel with k_mean address 0). ``softcap > 0``: the soft-capped kernel."""
+    step 1 (k_mean: the (B, Hkv, D) mean the kernel puts back, into the scores with ``softcap``, else into the
+    LSE; absent or None: no shift, as the kernel with k_mean address 0). ``softcap > 0``: the soft-capped
+    kernel."""
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     group, q_rows, scale_log2, softcap_log2 = _launch_constants(v, Hq, k.shape[2], D, softmax_scale, granularity,
@@ -106,14 +112,15 @@ def emulate_prefill_sm100(
         quantized = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                                warp_q=WARP_Q, block_k=BLOCK_K)[:5]
     q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
-    k_mean = quantized[4] if len(quantized) > 4 and softcap else None
+    k_mean = quantized[4] if len(quantized) > 4 else None
     vdt = v.dtype
     # (B, H, S, D) views; kv heads expanded to q heads (GQA: q head h reads kv head h // group)
     qi = q8.permute(0, 2, 1, 3).double()
     ki = k8.permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)
     vv = v.cpu().permute(0, 2, 1, 3).double().repeat_interleave(group, dim=1)  # exact: 16-bit -> fp64
     ks_h = ks.double().repeat_interleave(group, dim=1)  # (B, Hq, n_kb)
-    # softcap: sum_c q_int8[c] * k_mean[c] per (B, Hq, Sq) row (exact products, one fp32 rounding), 0 without a mean
+    # the smoothing shift's sum_c q_int8[c] * k_mean[c] per (B, Hq, Sq) row (exact products, one fp32 rounding), 0
+    # without a mean
     dot = torch.zeros(B, Hq, Sq, dtype=torch.float64)
     if k_mean is not None:
         dot = _f32(qi @ k_mean.cpu().double().repeat_interleave(group, dim=1)[..., None])[..., 0]
@@ -133,7 +140,8 @@ def _sequence(qi, ki, vv, qs, ks_h, dot, Sk: int, window, q_rows: int, scale_log
     """The CTAs of one batch of sequences of equal lengths: qi (B, Hq, Sq, D) int8 Q, ki / vv (B, Hq, >= Sk, D) the
     keys and values from the sequence's first one on (varlen: the packed rows after them too, which a tile crossing
     key Sk reads and masks, as the kernel's TMA does), qs (B, Hq, q groups), ks_h (B, Hq, k blocks) fp64, dot
-    (B, Hq, Sq) the softcap shift's q . k_mean. Returns out (B, Hq, Sq, D) fp64 and the natural-log LSE (B, Hq, Sq).
+    (B, Hq, Sq) the smoothing shift's q . k_mean. Returns out (B, Hq, Sq, D) fp64 and the natural-log LSE (B, Hq, Sq),
+    K's mean put back (into the scores with ``softcap``, else into the LSE).
     """
     B, Hq, Sq, D = qi.shape
     rows_kv = ki.shape[2]  # rows a tile can reach: Sk (dense), or up to the end of the packed tensor (varlen)
@@ -158,7 +166,8 @@ def _sequence(qi, ki, vv, qs, ks_h, dot, Sk: int, window, q_rows: int, scale_log
         # fp32(q_scale * scale_log2), one per row
         qsr = qs[:, :, rows // q_rows]  # (B, Hq, rows)
         qs_log2 = _f32(_f32(qsr) * scale_log2)
-        shift = _f32(qs_log2 * dot[:, :, r0:r1])  # softcap: the row's smoothing shift, pre-tanh units
+        # the row's smoothing shift: pre-tanh units with softcap (into the scores), else log2 units (into the LSE)
+        shift = _f32(qs_log2 * dot[:, :, r0:r1])
         m = torch.full((B, Hq, r1 - r0), -math.inf, dtype=torch.float64)
         l_ = torch.zeros(B, Hq, r1 - r0, dtype=torch.float64)
         o = torch.zeros(B, Hq, r1 - r0, D, dtype=torch.float64)
@@ -186,8 +195,10 @@ def _sequence(qi, ki, vv, qs, ks_h, dot, Sk: int, window, q_rows: int, scale_log
         has = l_ > 0
         inv = torch.where(has, _f32(1.0 / torch.where(has, l_, torch.ones_like(l_))), torch.zeros_like(l_))
         out[:, :, r0:r1] = _f32(o * inv[..., None])
-        lse[:, :, r0:r1] = torch.where(has, (m + torch.log2(torch.where(has, l_, torch.ones_like(l_)))) * math.log(2.0),
-                                       torch.full_like(m, -math.inf))
+        lse2 = m + torch.log2(torch.where(has, l_, torch.ones_like(l_)))
+        if not softcap:  # the LSE of the unsmoothed K's scores (capped: the shift is in them already)
+            lse2 = lse2 + shift
+        lse[:, :, r0:r1] = torch.where(has, lse2 * math.log(2.0), torch.full_like(m, -math.inf))
     return out, lse
 
 
@@ -224,7 +235,7 @@ def emulate_prefill_varlen_sm100(
                                                       granularity=granularity, smooth_k=smooth_k, block_q=BLOCK_Q,
                                                       warp_q=WARP_Q, block_k=BLOCK_K)[:5]
     q8, qs, k8, ks = (t.cpu() for t in quantized[:4])
-    k_mean = quantized[4] if len(quantized) > 4 and softcap else None
+    k_mean = quantized[4] if len(quantized) > 4 else None
     # the launcher resolves the window once, with the longest lengths (SM90's rule)
     window = resolve_window(window_size, causal, max_seqlen_q, max_seqlen_k)
     cq, ck = [int(x) for x in cu_seqlens_q.cpu()], [int(x) for x in cu_seqlens_k.cpu()]

@@ -308,11 +308,15 @@ def issue_pv_mma(pv_mma, tOtO, tOrP, tCrV, stage, it, o_done):
     return pv_mma
 
 
-def row_epilogue(m_run, l_run, o_scale):
-    """Per-row factor for O (o_scale / l, 0 for a row that saw no key) and the LSE in natural log (-inf then)."""
+def row_epilogue(m_run, l_run, o_scale, lse_shift=None):
+    """Per-row factor for O (o_scale / l, 0 for a row that saw no key) and the LSE in natural log (-inf then);
+    ``lse_shift`` (log2 units) is added to the log2 LSE first (the prefill's K smoothing mean put back)."""
     has = l_run > Float32(0.0)
     inv = sel(has, o_scale / l_run, Float32(0.0), Float32)
-    lse = sel(has, (m_run + lg2(l_run)) * Float32(LN2), Float32(-math.inf), Float32)
+    lse2 = m_run + lg2(l_run)
+    if lse_shift is not None:
+        lse2 = lse2 + lse_shift
+    lse = sel(has, lse2 * Float32(LN2), Float32(-math.inf), Float32)
     return inv, lse
 
 

@@ -47,7 +47,11 @@ One CTA = one 128-row query tile of one (batch, q head); 128 threads, thread t =
   softcap, so u = S * scale + shift is z / softcap, and each score becomes softcap * log2 e * tanh.approx(u), masked
   keys selected to -inf after the tanh (it would make them -softcap; ``common/softcap.py``). ``shift`` puts back the row's q . k_mean that
   K's smoothing took out (softmax is invariant to it, the cap is not): once per CTA thread t reads its own int8 Q
-  row and K's mean from global memory (``_row_shift``). Non-capped kernels get neither address (no parameter).
+  row and K's mean from global memory (``_row_shift``).
+* **LSE of the unsmoothed K** (every kernel): the returned LSE is FlashAttention's (and SageAttention's), that of
+  the scores with K's smoothing mean put back, so partial results merge by it. Without a cap the same per-row
+  shift (``_row_shift``, log2 units) is added to the log2 LSE before the natural-log store; with a cap it is in the
+  scores already. ``k_mean_addr`` 0 (an unsmoothed K): no shift, no load. Rows that see no key keep -inf.
 
 Pipeline (v0, deliberately simple, like the SM100 decode): all 4 warps in lock step, warp 0 issues TMA and the
 MMAs. Per tile: wait K/V landed -> QK MMA -> commit/wait -> softmax (TMEM -> registers), P -> TMEM, O *= corr in
@@ -92,7 +96,8 @@ class QKInt8PrefillSm100:
         q_int8 (B, Sq, Hq, D) i8, k_int8 (B, Sk, Hkv, D) i8, v (B, Sk, Hkv, D) bf16/fp16
         q_scale (B, Hq, num_q_groups) fp32, k_scale (B, Hkv, num_k_blocks) fp32   (quantize_qk_int8)
         out (B, Sq, Hq, D) v dtype, lse (B, Hq, Sq) fp32 (natural log)
-        k_mean (B, Hkv, D) fp32: K's smoothing mean, read only by a ``softcap`` kernel (0: an unsmoothed K)
+        k_mean (B, Hkv, D) fp32: K's smoothing mean (0: an unsmoothed K), put back per row: into the scores with
+        ``softcap``, else into the LSE
     """
 
     threads = 128
@@ -172,13 +177,11 @@ class QKInt8PrefillSm100:
         num_m_blocks = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
         if cutlass.const_expr(cfg.varlen):  # sized for the longest sequence; the others' extra CTAs exit at once
             num_m_blocks = (max_seqlen_q + BLOCK_Q - 1) // BLOCK_Q
-        # softcap: the smoothing shift needs the int8 Q rows and K's mean; a plain kernel gets no parameter for them
-        capped = cutlass.const_expr(cfg.softcap > 0.0)
         varlen = cutlass.const_expr(cfg.varlen)  # the cu_seqlens addresses: varlen kernels' parameters only
         self.kernel(qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, q_smem, k_smem, v_smem, p_tmem,
                     o_addr, lse_addr, q_scale_addr, k_scale_addr, batch, seqlen_q, seqlen_k, num_heads, num_kv_heads,
                     num_q_groups, num_k_blocks, scale_log2, window_left, window_right,
-                    q_addr if capped else None, k_mean_addr if capped else None,
+                    q_addr, k_mean_addr,
                     cu_seqlens_q_addr if varlen else None, cu_seqlens_k_addr if varlen else None).launch(
                         grid=(num_m_blocks, num_heads, batch), block=(self.threads, 1, 1), cluster=(1, 1, 1),
                         stream=stream)
@@ -195,7 +198,7 @@ class QKInt8PrefillSm100:
         o_addr: Int64, lse_addr: Int64, q_scale_addr: Int64, k_scale_addr: Int64,
         batch: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_kv_heads: Int32,
         num_q_groups: Int32, num_k_blocks: Int32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-        q_addr, k_mean_addr,  # Int64 with ``softcap``, else None (no kernel parameter)
+        q_addr: Int64, k_mean_addr: Int64,  # the int8 Q rows and K's mean: the smoothing shift (``_row_shift``)
         cu_q_addr, cu_k_addr,  # Int64 with ``varlen``, else None (no kernel parameter)
     ):
         """CTA (m block, q head h, batch / sequence b). Varlen: ``seqlen_q`` / ``seqlen_k`` are the packed totals
@@ -324,13 +327,13 @@ class QKInt8PrefillSm100:
         if n_blocks > 0:
             qs_log2 = mQS[(b * num_heads + h) * num_q_groups + q_group] * scale_log2
         ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
-        shift = None  # softcap: the row's smoothing shift, in pre-tanh units
-        if cutlass.const_expr(cfg.softcap > 0.0):
-            q_row0 = None  # varlen: the sequence's first row in the packed Q
-            if cutlass.const_expr(cfg.varlen):
-                q_row0 = q_start
-            shift = self._row_shift(q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv,
-                                    n_blocks, q_row0)
+        # the row's smoothing shift (pre-tanh units with softcap, else log2 units for the LSE), read here, before
+        # the first wait, so that its loads overlap the Q tile's TMA
+        q_row0 = None  # varlen: the sequence's first row in the packed Q
+        if cutlass.const_expr(cfg.varlen):
+            q_row0 = q_start
+        shift = self._row_shift(q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv,
+                                n_blocks, q_row0)
         key_end = seqlen_k  # keys < key_end are visible to this row (local: and keys >= key_start)
         if cutlass.const_expr(cfg.causal):
             key_end = cutlass.min(seqlen_k, row + diag + 1)
@@ -398,7 +401,11 @@ class QKInt8PrefillSm100:
                     self._issue_kv(kb0 + it + ST, stage, tmas, full, h_kv, b_t)
 
         # ---- epilogue: thread = row; O / l, LSE in natural log ------------------------------------------------
-        inv, lse = row_epilogue(m_run, l_run, Float32(1.0))
+        # capped, the shift is in the scores already; else it goes into the log2 LSE (that of the unsmoothed K)
+        lse_shift = None
+        if cutlass.const_expr(cfg.softcap == 0.0):
+            lse_shift = shift
+        inv, lse = row_epilogue(m_run, l_run, Float32(1.0), lse_shift)
         rO = trow.load_o(n_blocks)
         if row < seqlen_q:
             if cutlass.const_expr(cfg.varlen):  # packed out (total_q, Hq, D), LSE (Hq, total_q)
@@ -414,13 +421,15 @@ class QKInt8PrefillSm100:
     @cute.jit
     def _row_shift(self, q_addr, k_mean_addr, qs_log2, row, seqlen_q, num_heads, num_kv_heads, b, h, h_kv, n_blocks,
                    q_row0):
-        """``softcap``: the shift qs_log2 * sum_c q_int8[row, c] * k_mean[c] that K's smoothing took out of this
-        thread's scores, in the pre-tanh units of ``Float32(S) * scale`` (qs_log2 = q_scale * softmax_scale /
-        softcap). Once per CTA, straight from global memory: the thread's own int8 Q row (D contiguous bytes,
-        16-byte aligned: the launcher's tensors are) as 32-bit words, and the (batch, kv head) row of the fp32
-        mean, which all threads share (one broadcast load per channel). 0 for rows past seqlen_q (never read),
-        for a CTA without tiles and for ``k_mean_addr`` 0 (an unsmoothed K: no shift). Varlen: ``q_row0`` is the
-        sequence's first row in the packed Q (``row`` and ``seqlen_q`` are the sequence's), ``b`` the sequence."""
+        """The shift qs_log2 * sum_c q_int8[row, c] * k_mean[c] that K's smoothing took out of this thread's
+        scores, in the units of ``Float32(S) * scale``: pre-tanh with ``softcap`` (qs_log2 = q_scale *
+        softmax_scale / softcap; it goes into the scores), else log2 (qs_log2 = q_scale * softmax_scale * log2 e;
+        it goes into the LSE). Once per CTA, straight from global memory: the thread's own int8 Q row (D
+        contiguous bytes, 16-byte aligned: the launcher's tensors are) as 32-bit words, and the (batch, kv head)
+        row of the fp32 mean, which all threads share (one broadcast load per channel). 0 for rows past seqlen_q
+        (never read), for a CTA without tiles and for ``k_mean_addr`` 0 (an unsmoothed K: no shift). Varlen:
+        ``q_row0`` is the sequence's first row in the packed Q (``row`` and ``seqlen_q`` are the sequence's), ``b``
+        the sequence."""
         D = self.D
         gmem = cute.AddressSpace.gmem
         dot = Float32(0.0)

@@ -517,8 +517,8 @@ class QKInt8PrefillSm90:
                                         cute.make_layout(cute.cosize(sQ_layout) // 4)))
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        self._sq_words = None  # softcap with int8 Q K^T: the int8 Q tile as 32-bit words (``_row_mean_logits``)
-        if cutlass.const_expr(self.cfg.softcap > 0.0 and self.int8_qk):
+        self._sq_words = None  # int8 Q K^T: the int8 Q tile as 32-bit words (``_row_mean_logits``)
+        if cutlass.const_expr(self.int8_qk):
             self._sq_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Uint32),
                                               cute.make_layout(cute.cosize(sQ_layout) // 4))
 
@@ -813,14 +813,25 @@ class QKInt8PrefillSm90:
                 pair = cute.make_tensor(cute.make_ptr(Float32, v_scale_addr + Int64(col) * 4, gmem, assumed_align=8),
                                         cute.make_layout(2)).load()
                 vs_cols += [pair[0], pair[1]]
+        # The returned LSE is that of the unsmoothed K's scores (FlashAttention's, mergeable across calls): the
+        # shift q . k_mean that smoothing took out of every score of a row goes back in (``_k_mean_addr`` 0: an
+        # unsmoothed K, none). With softcap it is in the scores already. The merge of split units works on the
+        # shifted-out LSEs (the same shift for every split of a row) and adds it once.
+        lse_shift = None
+        if cutlass.const_expr(self.int8_qk and cfg.softcap == 0.0):
+            lse_shift = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr)
         q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
         if cutlass.const_expr(tail_args is not None):
-            self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args)
+            self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args,
+                                 lse_shift)
             q_end = cutlass.select_(tail_args[0] >= 0, 0, seqlen_q)
         for i in cutlass.range_constexpr(n_rows):
             r = m_block * TM + _first_row(ctid) + 8 * i
             if ctid % 4 == 0 and r < q_end:
-                mLSE[r] = lse2[i] * _LN2
+                lse_row = lse2[i]
+                if cutlass.const_expr(lse_shift is not None):
+                    lse_row = lse_row + lse_shift[i]
+                mLSE[r] = lse_row * _LN2
         # FP8: O = (448 P)(V / v_scale) / rowsum(448 P) * v_scale
         self._store_o(acc_o, tOcO, inv_sum, vs_cols, m_block, q_end, mO)
 
@@ -880,9 +891,11 @@ class QKInt8PrefillSm90:
                     _st_global_v4(base + (Int64(row) * row_stride + col) * self.v_dtype.width // 8, *x)
 
     @cute.jit
-    def _split_epilogue(self, acc_o, tOcO, inv, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args):
+    def _split_epilogue(self, acc_o, tOcO, inv, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args,
+                        lse_shift=None):
         """``split_tail``, a CTA of a split unit: its normalized partial output and log2-domain LSE to the
-        partial buffers, then ``_merge_splits``. Whole-unit CTAs (tail -1) do nothing here."""
+        partial buffers, then ``_merge_splits`` (``lse_shift``: added to the merged LSE). Whole-unit CTAs (tail
+        -1) do nothing here."""
         tail, ns, split_args, flag_ptr = tail_args
         num_full_units, part_addr, count_addr = split_args[0], split_args[2], split_args[3]
         TM, D = self.cfg.tile_m, self.D
@@ -905,11 +918,11 @@ class QKInt8PrefillSm90:
                     o = o * vs_cols[e // 4 * 2 + e % 2]
                 part_o[r, c, tail] = o
             self._merge_splits(acc_o, tOcO, m_block, seqlen_q, mO, mLSE, ctid, tail // ns, ns, count_addr, flag_ptr,
-                               part_o, part_l)
+                               part_o, part_l, lse_shift)
 
     @cute.jit
     def _merge_splits(self, acc_o, tOcO, m_block, seqlen_q, mO, mLSE, ctid, unit, ns, count_addr, flag_ptr, part_o,
-                      part_l):
+                      part_l, lse_shift=None):
         """Count this split CTA in (its partials written); the CTA that completes split unit ``unit``'s count of
         ``ns`` merges the unit's partials, O = sum_s w_s O_s / sum_s w_s with w_s = exp2(LSE_s - max_s LSE_s), in
         split order (the same sums whichever CTA merges), and writes the unit's O and LSE."""
@@ -950,7 +963,10 @@ class QKInt8PrefillSm90:
             for i in cutlass.range_constexpr(2):
                 lse = -Float32.inf
                 if wsum[i] > 0.0:
-                    lse = (m[i] + cute.math.log2(wsum[i], fastmath=True)) * _LN2
+                    lse2 = m[i] + cute.math.log2(wsum[i], fastmath=True)
+                    if cutlass.const_expr(lse_shift is not None):
+                        lse2 = lse2 + lse_shift[i]
+                    lse = lse2 * _LN2
                     wsum[i] = 1.0 / wsum[i]
                 r = m_block * TM + r0 + 8 * i
                 if ctid % 4 == 0 and r < seqlen_q:
@@ -1078,27 +1094,29 @@ class QKInt8PrefillSm90:
         bq = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         bq.fill(0.0)
         if self._k_mean_addr != Int64(0):
-            mean = cute.make_tensor(cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=4) + head_row * D,
-                                    cute.make_layout(D))
+            mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
             lam = None
             if cutlass.const_expr(self.cfg.balance_qk):
                 lam = cute.make_tensor(cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4) + head_row * D,
                                        cute.make_layout(D))
             t = ctid % 4
             r0 = _first_row(ctid)
+            for w in cutlass.range_constexpr(D // 16):  # this lane's D / 4 columns, 4 per 32-bit word
+                c0 = t * (D // 4) + 4 * w
+                w0 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0, c0, 1) // 4])
+                w1 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0 + 8, c0, 1) // 4])
+                m4 = cute.make_tensor(mean_ptr + c0, cute.make_layout(4)).load()  # one 16-byte load, both rows
+                for e in cutlass.range_constexpr(4):
+                    m = m4[e]
+                    if cutlass.const_expr(lam is not None):
+                        m = m / lam[c0 + e]
+                    # byte e, sign-extended, as fp32 exactly: the bits of 1.5 * 2^23 + q minus 1.5 * 2^23 (an
+                    # integer add and an FADD instead of the quarter-rate int -> float conversion)
+                    for i, wd in ((0, w0), (1, w1)):
+                        q8 = _f32_from_bits(((wd << (24 - 8 * e)) >> 24) + Int32(0x4B400000)) - Float32(12582912.0)
+                        bq[i] = bq[i] + q8 * m
             for i in cutlass.range_constexpr(2):
-                dot = Float32(0.0)
-                for w in cutlass.range_constexpr(D // 16):  # this lane's D / 4 columns, 4 per 32-bit word
-                    c0 = t * (D // 4) + 4 * w
-                    word = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0 + 8 * i, c0, 1) // 4])
-                    for e in cutlass.range_constexpr(4):
-                        q8 = (word << (24 - 8 * e)) >> 24  # byte e, sign-extended
-                        m = mean[c0 + e]
-                        if cutlass.const_expr(lam is not None):
-                            m = m / lam[c0 + e]
-                        dot = dot + Float32(q8) * m
-                dot = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=4)
-                bq[i] = qs_log2 * dot
+                bq[i] = qs_log2 * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
         return bq
 
     @cute.jit
