@@ -123,11 +123,13 @@ def test_sm100_window_reaches_the_kernel(gpu, causal, ws, local, upper, edges):
     runtime edges after the softmax scale."""
     calls = gpu((10, 0))
     q, k, v = _qkv()
+    qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws, return_lse=True)
     qattn.flash_attn_func(q, k, v, causal=causal, window_size=ws)
-    assert len(calls) == 1 and calls[0][0] == "sm100"
+    assert len(calls) == 2 and calls[0][0] == "sm100"
     _, cfg, args = calls[0]
     assert cfg.local == local and cfg.causal == upper and "local" in cfg.key
     assert tuple(args[15:17]) == edges and args[17] != 0  # no softcap: K's mean still goes in (the LSE's shift)
+    assert calls[1][2][17] == 0  # unless the call drops the LSE
 
 
 def test_sm100_window_covering_everything_is_the_plain_kernel(gpu):

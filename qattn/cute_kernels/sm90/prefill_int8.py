@@ -1110,11 +1110,11 @@ class QKInt8PrefillSm90:
                     m = m4[e]
                     if cutlass.const_expr(lam is not None):
                         m = m / lam[c0 + e]
-                    # byte e, sign-extended, as fp32 exactly: the bits of 1.5 * 2^23 + q minus 1.5 * 2^23 (an
-                    # integer add and an FADD instead of the quarter-rate int -> float conversion)
+                    # int8 byte e as fp32 exactly: 2^23 + (q + 128) from the bits (q + 128 = byte ^ 0x80), minus
+                    # 2^23 + 128 (bit ops and an FADD instead of the quarter-rate int -> float conversion)
                     for i, wd in ((0, w0), (1, w1)):
-                        q8 = _f32_from_bits(((wd << (24 - 8 * e)) >> 24) + Int32(0x4B400000)) - Float32(12582912.0)
-                        bq[i] = bq[i] + q8 * m
+                        u = ((Uint32(wd) >> (8 * e)) & Uint32(0xFF)) ^ Uint32(0x4B000080)
+                        bq[i] = bq[i] + (_f32_from_bits(u) - Float32(8388736.0)) * m
             for i in cutlass.range_constexpr(2):
                 bq[i] = qs_log2 * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
         return bq
