@@ -621,8 +621,9 @@ def flash_attn_func(
     """FlashAttention's ``flash_attn_func`` with SageAttention-style INT8 Q/K: q (batch, seqlen_q, num_heads,
     head_dim), k and v (batch, seqlen_k, num_kv_heads, head_dim), bf16 or fp16, head_dim 64 or 128.
 
-    Two launches on the current stream: the prepass (``qattn.quant.quantize_qk_int8``: int8 Q/K with fp32 scales,
-    K minus its per-channel mean when ``smooth_k``) and the attention kernel (:func:`prefill_int8`). On SM90 with
+    Launches on the current stream: the prepass (``qattn.quant.quantize_qk_int8``: int8 Q/K with fp32 scales,
+    K minus its per-channel mean when ``smooth_k``; one to three kernels) and the attention kernel
+    (:func:`prefill_int8`). On SM90 with
     ``granularity="per_warp"`` the prepass quantizes K only (``qattn.quant.launch.quantize_k_int8``) and the
     attention kernel quantizes Q itself, with the same numerics (same output, less memory traffic). P x V runs
     in V's dtype with ``pv_dtype="bf16"`` (meaning "V's 16-bit dtype"), or in FP8 E4M3 with ``pv_dtype="fp8"``
