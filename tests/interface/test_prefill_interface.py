@@ -349,3 +349,22 @@ def test_varlen_totals_zero_still_checked():
         flash_attn_varlen_func(q, kv, kv, cu, cu, -1, 0)
     with pytest.raises(ValueError, match="CUDA"):
         flash_attn_varlen_func(q, kv, kv, cu, cu, 0, 0)
+
+
+@pytest.mark.parametrize("return_lse, softcap, smooth, sent", [(False, 0.0, True, False), (True, 0.0, True, True),
+                                                               (False, 30.0, True, True), (True, 0.0, False, False)])
+def test_k_mean_reaches_the_kernel_only_where_read(monkeypatch, return_lse, softcap, smooth, sent):
+    """K's mean goes to the kernel for a soft cap or a returned LSE (its shift costs 1-4 %), else not."""
+    import qattn.interface.prefill as PF
+    import qattn.quant.launch as L
+
+    seen = []
+    monkeypatch.setattr(PF, "prefill_int8", lambda *a, k_mean=None, **kw: (seen.append(k_mean), ("o", "l"))[1])
+    monkeypatch.setattr(L, "quantize_k_int8", lambda k, smooth_k, **kw: ("k8", "ks", "km" if smooth_k else None))
+    monkeypatch.setattr(L, "_check_pair", lambda q, k: None)
+    monkeypatch.setattr(PF, "_check_cuda_inputs", lambda *a, **kw: None)
+    monkeypatch.setattr(PF, "_kernel_quantizes_q", lambda q, granularity: True)
+    q, k, v = (torch.randn(1, 64, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    PF._flash_attn_func_eager(q, k, v, False, 0.125, "per_warp", smooth, "bf16", "int8", False, (-1, -1), softcap,
+                              return_lse)
+    assert (seen[0] == "km") == sent and (seen[0] is not None or not softcap)

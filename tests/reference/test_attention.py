@@ -120,3 +120,16 @@ def test_prefill_bad_mode():
     q, k, v = _outlier_qkv(1, 8, 8, 2, 2, 64, 9)
     with pytest.raises(ValueError, match="qk_quant"):
         prefill_reference(q, k, v, qk_quant="int4")
+
+
+def test_prefill_reference_lse_is_that_of_the_unsmoothed_k():
+    """smooth_k: the LSE gets softmax_scale * q . k_mean back, close to the exact one despite K offsets."""
+    from qattn.reference import lse_smoothing_shift, prefill_reference
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, h, 64, generator=g) for n, h in ((200, 4), (300, 2), (300, 2)))
+    k = k + 3 * torch.randn(2, 64, generator=g)
+    exact = attention_reference(q, k, v, return_lse=True)[1]
+    lse = prefill_reference(q, k, v, qk_quant="int8", return_lse=True)[1]
+    assert float((lse - exact).abs().max()) < 0.1
+    assert float((lse - lse_smoothing_shift(q, k.mean(1), None) - exact).abs().mean()) > 1.0
