@@ -257,8 +257,8 @@ def prefill_int8(
     Scores are ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` (K's smoothing mean is not added back:
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
-    fp32: with ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K (with a
-    balanced prepass ``k_mean / qk_balance``), that of the scores with the mean put back, ``+ softmax_scale *
+    fp32: with ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K
+    (``k_mean / qk_balance`` for a Q the prepass balanced; not with ``qk_balance=``), that of the scores with it back, ``+ softmax_scale *
     q . k_mean`` per row (FlashAttention's LSE of the unsmoothed K, e.g. to merge partial results; ``q`` the int8
     Q times its scale), without it that of the smoothed scores. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
@@ -727,7 +727,7 @@ def _check_softcap_balance(softcap: float, balance_qk: bool, kernel_quantizes_q:
 def _internal_k_mean(k_mean, softcap: float, lse_shift: bool):
     """What an internal call hands ``prefill_int8`` as ``k_mean``: the prepass's mean, or the unsmoothed marker.
     Only where something reads it: a soft cap (the scores), or a returned LSE (``lse_shift``; the shift costs the
-    kernel 1-4 %, H200, so a call that drops the LSE does not pay it)."""
+    kernel up to 4 %, H200, so a call that drops the LSE does not pay it)."""
     if k_mean is None:
         return _UNSMOOTHED if softcap else None  # a soft-capped call must say it was unsmoothed
     return k_mean if softcap or lse_shift else None
@@ -794,9 +794,9 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         q8, qs, k8, ks, k_mean, *q_lam = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k,
                                                            block_q=BLOCK_Q, warp_q=WARP_Q, block_k=BLOCK_K,
                                                            balance_qk=balance_qk)
-        if q_lam and k_mean is not None:  # Q carries the balance, the kernel does not see it: k_mean / balance
-            k_mean = k_mean / q_lam[0]
     k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
+    if not quantizes_q and balance_qk and isinstance(k_mean, torch.Tensor):  # the LSE shift only (a balanced
+        k_mean = k_mean / q_lam[0]  # softcap raised above): Q carries the balance, the kernel does not see it
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
@@ -964,9 +964,9 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                                   max_seqlen_k, granularity=granularity,
                                                                   smooth_k=smooth_k, block_q=BLOCK_Q, warp_q=WARP_Q,
                                                                   block_k=BLOCK_K, balance_qk=balance_qk)
-        if q_lam and k_mean is not None:  # Q carries the balance, the kernel does not see it: k_mean / balance
-            k_mean = k_mean / q_lam[0]
     k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
+    if not quantizes_q and balance_qk and isinstance(k_mean, torch.Tensor):  # the LSE shift only (a balanced
+        k_mean = k_mean / q_lam[0]  # softcap raised above): Q carries the balance, the kernel does not see it
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8_varlen
 

@@ -354,7 +354,7 @@ def test_varlen_totals_zero_still_checked():
 @pytest.mark.parametrize("return_lse, softcap, smooth, sent", [(False, 0.0, True, False), (True, 0.0, True, True),
                                                                (False, 30.0, True, True), (True, 0.0, False, False)])
 def test_k_mean_reaches_the_kernel_only_where_read(monkeypatch, return_lse, softcap, smooth, sent):
-    """K's mean goes to the kernel for a soft cap or a returned LSE (its shift costs 1-4 %), else not."""
+    """K's mean goes to the kernel for a soft cap or a returned LSE (its shift costs up to 4 %), else not."""
     import qattn.interface.prefill as PF
     import qattn.quant.launch as L
 
@@ -368,3 +368,19 @@ def test_k_mean_reaches_the_kernel_only_where_read(monkeypatch, return_lse, soft
     PF._flash_attn_func_eager(q, k, v, False, 0.125, "per_warp", smooth, "bf16", "int8", False, (-1, -1), softcap,
                               return_lse)
     assert (seen[0] == "km") == sent and (seen[0] is not None or not softcap)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_balanced_prepass_q_gets_k_mean_over_balance(monkeypatch, return_lse):
+    import qattn.interface.prefill as PF
+    import qattn.quant.launch as L
+
+    seen, lam = [], torch.full((1, 2, 64), 2.0)
+    monkeypatch.setattr(PF, "prefill_int8", lambda *a, k_mean=None, **kw: (seen.append(k_mean), ("o", "l"))[1])
+    monkeypatch.setattr(L, "quantize_qk_int8", lambda q, k, **kw: ("q8", "qs", "k8", "ks", torch.ones(1, 2, 64), lam))
+    monkeypatch.setattr(PF, "_check_cuda_inputs", lambda *a, **kw: None)
+    monkeypatch.setattr(PF, "_kernel_quantizes_q", lambda q, granularity: False)
+    q, k, v = (torch.randn(1, 64, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    PF._flash_attn_func_eager(q, k, v, False, 0.125, "per_block", True, "bf16", "int8", True, (-1, -1), 0.0,
+                              return_lse)
+    assert seen[0] is None if not return_lse else torch.equal(seen[0], torch.full((1, 2, 64), 0.5))

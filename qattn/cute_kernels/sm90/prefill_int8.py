@@ -304,9 +304,9 @@ class QKInt8PrefillSm90:
         scales, FP8 V^T, channel balance). Q itself must not come from that kernel; ``flash_attn_func`` sets it,
         a direct call of ``prefill_int8`` does not.
 
-        ``softcap`` (compile time) with int8 Q K^T: ``k_mean_addr`` is K's smoothing mean, fp32 (num_seqs,
-        num_kv_heads, head_dim), or 0 for an unsmoothed K: soft-capping is not invariant to the per-row shift
-        q . k_mean that smoothing takes out of the scores, so each row adds it back (``_row_mean_logits``)."""
+        int8 Q K^T: ``k_mean_addr`` is K's smoothing mean, fp32 (num_seqs, num_kv_heads, head_dim), or 0 (none):
+        each row adds the shift q . k_mean that smoothing took out (``_row_mean_logits``) to its scores before a
+        ``softcap`` (not invariant to it), else to its LSE."""
         cfg, D, vdt, pv_ab = self.cfg, self.D, self.v_dtype, self.pv_ab
         TM, TN, ST = cfg.tile_m, cfg.tile_n, cfg.kv_stages
         gmem = cute.AddressSpace.gmem
@@ -1085,8 +1085,8 @@ class QKInt8PrefillSm90:
 
     @cute.jit
     def _row_mean_logits(self, sQ_layout, ctid, head_row, qs_log2, qk_balance_addr):
-        """``softcap``: per row of this thread (r0, r0 + 8), the score shift that K's smoothing took out, in the
-        kernel's pre-tanh units: qs_log2 * sum_c q_int8[r, c] * k_mean[c] (/ qk_balance[c] with ``balance_qk``,
+        """Per row of this thread (r0, r0 + 8), the score shift that K's smoothing took out, in the kernel's
+        score units (pre-tanh with ``softcap``, else log2 for the LSE): qs_log2 * sum_c q_int8[r, c] * k_mean[c] (/ qk_balance[c] with ``balance_qk``,
         whose K was divided by it), from the int8 Q tile in shared memory (the Q the scores use) and the mean
         (``_k_mean_addr``; 0: an unsmoothed K, no shift). The four lanes of a quad split the columns. Once per CTA."""
         D = self.D
