@@ -167,8 +167,8 @@ def _flash_attn_with_kvcache_eager(
     ``cache_seqlens`` (batch,) int32 and ``block_table`` (batch, max_blocks) int32 live on q's device: token t of
     sequence b is in block ``block_table[b, t // page_size]``. ``causal`` (True by default, unlike FlashAttention's
     False; the same for seqlen_q 1): the mask is aligned to the end of the cache (query i sees keys j <= i + len -
-    seqlen_q; a row that sees no key gives 0 and LSE -inf). ``window_size=(left, right)``: FlashAttention's sliding window,
-    query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
+    seqlen_q; a row that sees no key gives 0 and LSE -inf). ``window_size=(left, right)``: FlashAttention's sliding
+    window, query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
     0); the pages (and ring rows) left of the window are not read.
     ``num_splits`` = 0 picks the split-KV count from host-known sizes. ``softcap > 0``: FlashAttention's logit
     soft-capping, scores z become softcap * tanh(z / softcap) (not on a cache whose K was smoothed by

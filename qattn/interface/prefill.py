@@ -258,9 +258,10 @@ def prefill_int8(
     softmax is invariant to it). ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns out (batch, seqlen_q,
     num_heads, head_dim) in V's dtype and, with ``return_lse``, the natural-log LSE (batch, num_heads, seqlen_q)
     fp32: with ``k_mean`` (batch, num_kv_heads, head_dim) fp32, the mean ``quantize_qk_int8`` took out of K
-    (``k_mean / qk_balance`` for a Q the prepass balanced; not with ``qk_balance=``), that of the scores with it back, ``+ softmax_scale *
-    q . k_mean`` per row (FlashAttention's LSE of the unsmoothed K, e.g. to merge partial results; ``q`` the int8
-    Q times its scale), without it that of the smoothed scores. The causal mask is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
+    (``k_mean / qk_balance`` for a Q the prepass balanced; not with ``qk_balance=``), that of the scores with it
+    back, ``+ softmax_scale * q . k_mean`` per row (FlashAttention's LSE of the unsmoothed K, e.g. to merge partial
+    results; ``q`` the int8 Q times its scale), without it that of the smoothed scores. The causal mask is aligned
+    to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
     ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90; SM100
@@ -703,13 +704,8 @@ def _k_mean_arg(softcap: float, k_mean, shape, dev):
     cap, which unlike the softmax is not invariant to the per-row shift q . k_mean that smoothing takes out of
     them (so a soft-capped call must say what it was), else to the returned LSE (optional: without it the LSE is
     that of the smoothed scores)."""
-    if k_mean is _UNSMOOTHED:
+    if k_mean is _UNSMOOTHED or (k_mean is None and not softcap):
         return None
-    if not softcap:
-        if k_mean is None:
-            return None
-        _check(k_mean, "k_mean", torch.float32, shape, dev)
-        return _aligned(k_mean.contiguous())
     if k_mean is None:
         raise ValueError("k_mean: softcap > 0 needs K's smoothing mean (quantize_qk_int8's k_mean; zeros for an "
                          "unsmoothed K): soft-capping is not invariant to the shift smoothing takes out")
@@ -724,13 +720,16 @@ def _check_softcap_balance(softcap: float, balance_qk: bool, kernel_quantizes_q:
                                   "that quantizes Q reads the balance the smoothing shift needs)")
 
 
-def _internal_k_mean(k_mean, softcap: float, lse_shift: bool):
+def _internal_k_mean(k_mean, softcap: float, lse_shift: bool, q_balance=None):
     """What an internal call hands ``prefill_int8`` as ``k_mean``: the prepass's mean, or the unsmoothed marker.
     Only where something reads it: a soft cap (the scores), or a returned LSE (``lse_shift``; the shift costs the
-    kernel up to 4 %, H200, so a call that drops the LSE does not pay it)."""
+    kernel up to 4 %, H200, so a call that drops the LSE does not pay it). ``q_balance``: the balance a
+    prepass-quantized Q carries (the kernel does not see it), the mean is divided by it (no softcap there)."""
     if k_mean is None:
         return _UNSMOOTHED if softcap else None  # a soft-capped call must say it was unsmoothed
-    return k_mean if softcap or lse_shift else None
+    if not (softcap or lse_shift):
+        return None
+    return k_mean if q_balance is None else k_mean / q_balance
 
 
 def _check_attn_probs(return_attn_probs) -> None:
@@ -780,7 +779,7 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         from ..quant.v_fp8 import _check_v
 
         _check_v(v)  # before any launch: head_dim 64 / 128
-    lam = None  # the channel balance, for a kernel that quantizes Q itself
+    lam = q_balance = None  # the channel balance, for a kernel that quantizes Q itself / carried by Q
     _check_cuda_inputs(q, k, v, "flash_attn_func", softcap=softcap, pv_dtype=pv_dtype)
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
@@ -794,9 +793,8 @@ def _flash_attn_func_eager(q, k, v, causal: bool, softmax_scale: float, granular
         q8, qs, k8, ks, k_mean, *q_lam = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k,
                                                            block_q=BLOCK_Q, warp_q=WARP_Q, block_k=BLOCK_K,
                                                            balance_qk=balance_qk)
-    k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
-    if not quantizes_q and balance_qk and isinstance(k_mean, torch.Tensor):  # the LSE shift only (a balanced
-        k_mean = k_mean / q_lam[0]  # softcap raised above): Q carries the balance, the kernel does not see it
+        q_balance = q_lam[0] if q_lam else None  # Q carries it
+    k_mean = _internal_k_mean(k_mean, softcap, lse_shift, q_balance)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8
 
@@ -948,7 +946,7 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         return _prefill_16bit(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               window, softcap)
 
-    lam = None
+    lam = q_balance = None
     _check_cuda_inputs(q, k, v, "flash_attn_varlen_func", softcap=softcap, pv_dtype=pv_dtype)
     quantizes_q = _kernel_quantizes_q(q, granularity)
     _check_softcap_balance(softcap, balance_qk, quantizes_q)
@@ -964,9 +962,8 @@ def _flash_attn_varlen_func_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                                   max_seqlen_k, granularity=granularity,
                                                                   smooth_k=smooth_k, block_q=BLOCK_Q, warp_q=WARP_Q,
                                                                   block_k=BLOCK_K, balance_qk=balance_qk)
-    k_mean = _internal_k_mean(k_mean, softcap, lse_shift)
-    if not quantizes_q and balance_qk and isinstance(k_mean, torch.Tensor):  # the LSE shift only (a balanced
-        k_mean = k_mean / q_lam[0]  # softcap raised above): Q carries the balance, the kernel does not see it
+        q_balance = q_lam[0] if q_lam else None  # Q carries it
+    k_mean = _internal_k_mean(k_mean, softcap, lse_shift, q_balance)
     if pv_dtype == "fp8":
         from ..quant.v_fp8 import quantize_v_fp8_varlen
 

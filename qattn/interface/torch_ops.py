@@ -155,7 +155,8 @@ def paged_decode_traced(q, cache: PagedKVCache, cache_seqlens, block_table, laye
 def prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                granularity: str, smooth_k: bool, pv_dtype: str, qk_quant: str,
                balance_qk: bool = False, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0, lse_shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0,
+               lse_shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``qattn.flash_attn_func`` (prepass + INT8-QK attention kernel; ``qk_quant`` "int8" or "none") as one op:
     returns (out, lse); ``lse_shift``: the LSE is needed (K's smoothing mean put back into it)."""
     from .prefill import _flash_attn_func_eager

@@ -30,7 +30,7 @@ import torch
 from ..quant.qk_int8 import quantize_qk_int8_reference
 from ..quant.reference import e4m3_decode, e4m3_encode
 from ..quant.v_fp8 import dequantize_v_fp8_reference, quantize_v_fp8_reference
-from .attention import lse_smoothing_shift
+from .attention import _expand_rows, lse_smoothing_shift
 
 __all__ = ["prefill_fp8pv_emulation", "P_FP8_SCALE"]
 
@@ -132,5 +132,5 @@ def prefill_fp8pv_emulation(
         return out
     lse = torch.where(row_sum > 0, (row_max + torch.log2(row_sum.clamp_min(1e-300)) - L) * math.log(2.0),
                       torch.full_like(row_sum, -math.inf))
-    qd = q8.double() * qs.double().repeat_interleave(q_rows, dim=2)[:, :, :Sq].permute(0, 2, 1)[..., None]
+    qd = q8.double() * _expand_rows(qs, q_rows, Sq)  # the dequantized int8 Q the scores use
     return out, lse + lse_smoothing_shift(qd, k_mean, softmax_scale)

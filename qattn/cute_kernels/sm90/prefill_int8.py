@@ -1086,8 +1086,8 @@ class QKInt8PrefillSm90:
     @cute.jit
     def _row_mean_logits(self, sQ_layout, ctid, head_row, qs_log2, qk_balance_addr):
         """Per row of this thread (r0, r0 + 8), the score shift that K's smoothing took out, in the kernel's
-        score units (pre-tanh with ``softcap``, else log2 for the LSE): qs_log2 * sum_c q_int8[r, c] * k_mean[c] (/ qk_balance[c] with ``balance_qk``,
-        whose K was divided by it), from the int8 Q tile in shared memory (the Q the scores use) and the mean
+        score units (pre-tanh with ``softcap``, else log2 for the LSE): qs_log2 * sum_c q_int8[r, c] * k_mean[c]
+        (/ qk_balance[c] with ``balance_qk``, whose K was divided by it), from the int8 Q tile in shared memory (the Q the scores use) and the mean
         (``_k_mean_addr``; 0: an unsmoothed K, no shift). The four lanes of a quad split the columns. Once per CTA."""
         D = self.D
         gmem = cute.AddressSpace.gmem
