@@ -132,6 +132,7 @@ def prefill_reference(
     block_k: int = 128,
     return_lse: bool = False,
     window_size: tuple = (-1, -1),
+    lse_q: str = "int8",
 ):
     """Dense prefill attention in float64, optionally with SageAttention-style INT8 Q/K fake quantization.
 
@@ -140,7 +141,9 @@ def prefill_reference(
     scores are the exact values ``(q_int8 . k_int8) * q_scale * k_scale * softmax_scale`` that an INT8 tensor
     core kernel computes before its softmax; P and V stay exact. ``qk_quant=None`` is plain attention. The LSE
     (``return_lse``) is that of the scores with K's smoothing mean put back (:func:`lse_smoothing_shift`), as the
-    kernels return it.
+    kernels return it, computed from the Q that ``lse_q`` names: ``"int8"`` the dequantized int8 Q (the kernels given
+    a quantized Q: ``prefill_int8`` with ``q_scale``, ``per_block``, SM100), ``"16bit"`` the caller's Q (SM90
+    ``flash_attn_func`` / ``_varlen`` with ``per_warp``, whose kernel quantizes Q itself).
     ``window_size`` as in :func:`attention_reference`.
     """
     if qk_quant is None:
@@ -148,6 +151,7 @@ def prefill_reference(
                                    window_size=window_size)
     if qk_quant != "int8":
         raise ValueError(f"qk_quant: expected None or 'int8', got {qk_quant!r}")
+    _check_lse_q(lse_q)
     from ..quant.qk_int8 import quantize_qk_int8_reference
 
     q8, qs, k8, ks, k_mean = quantize_qk_int8_reference(q, k, granularity=granularity, smooth_k=smooth_k,
@@ -160,7 +164,12 @@ def prefill_reference(
     if not return_lse:
         return res
     out, lse = res
-    return out, lse + lse_smoothing_shift(qd, k_mean, softmax_scale)
+    return out, lse + lse_smoothing_shift(qd if lse_q == "int8" else q, k_mean, softmax_scale)
+
+
+def _check_lse_q(lse_q) -> None:
+    if lse_q not in ("int8", "16bit"):
+        raise ValueError(f"lse_q: expected 'int8' or '16bit', got {lse_q!r}")
 
 
 def lse_smoothing_shift(q: torch.Tensor, k_mean: torch.Tensor | None, softmax_scale: float | None) -> torch.Tensor:
@@ -168,7 +177,8 @@ def lse_smoothing_shift(q: torch.Tensor, k_mean: torch.Tensor | None, softmax_sc
     score of the row (0 without smoothing). The softmax is invariant to it, the LSE is not: the kernels add it
     to the LSE they return (``return_lse``), so that it is the LSE of the scores of the unsmoothed K, as
     FlashAttention's (and SageAttention's), and partial results can be merged by it. ``q`` (B, Sq, Hq, D) is
-    the Q the scores use (the dequantized int8 Q, ``q_int8 * q_scale``); ``k_mean`` (B, Hkv, D) or None."""
+    the Q the kernel takes it from (the caller's 16-bit Q where the SM90 kernel quantizes Q itself, else the
+    dequantized int8 Q, ``q_int8 * q_scale``); ``k_mean`` (B, Hkv, D) or None."""
     B, Sq, Hq, D = q.shape
     if k_mean is None:
         return torch.zeros(B, Hq, Sq, dtype=torch.float64, device=q.device)

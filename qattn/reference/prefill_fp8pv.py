@@ -30,7 +30,7 @@ import torch
 from ..quant.qk_int8 import quantize_qk_int8_reference
 from ..quant.reference import e4m3_decode, e4m3_encode
 from ..quant.v_fp8 import dequantize_v_fp8_reference, quantize_v_fp8_reference
-from .attention import _expand_rows, lse_smoothing_shift
+from .attention import _check_lse_q, _expand_rows, lse_smoothing_shift
 
 __all__ = ["prefill_fp8pv_emulation", "P_FP8_SCALE"]
 
@@ -57,14 +57,17 @@ def prefill_fp8pv_emulation(
     quantized: tuple | None = None,
     window_size: tuple = (-1, -1),
     k_mean: torch.Tensor | None = None,
+    lse_q: str = "int8",
 ):
     """Emulated output (B, Sq, Hq, D) in ``out_dtype`` (default q's dtype; ``torch.float64`` keeps it unrounded)
     and, with ``return_lse``, the natural-log LSE (B, Hq, Sq) fp64. q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D).
 
     ``quantized`` = (q_int8, q_scale, k_int8, k_scale, vt, v_scale) replaces step 1 (e.g. the GPU prepass's
     outputs), with ``k_mean`` (B, Hkv, D), the mean the prepass took out of K (None: an unsmoothed K); the LSE is
-    that of the scores with it put back (``qattn.reference.lse_smoothing_shift``), as the kernels return it.
+    that of the scores with it put back (``qattn.reference.lse_smoothing_shift``, from the Q ``lse_q`` names, as
+    in ``prefill_reference``), as the kernels return it.
     ``window_size``: FlashAttention's sliding window, as in ``qattn.reference.attention_reference``."""
+    _check_lse_q(lse_q)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -132,5 +135,5 @@ def prefill_fp8pv_emulation(
         return out
     lse = torch.where(row_sum > 0, (row_max + torch.log2(row_sum.clamp_min(1e-300)) - L) * math.log(2.0),
                       torch.full_like(row_sum, -math.inf))
-    qd = q8.double() * _expand_rows(qs, q_rows, Sq)  # the dequantized int8 Q the scores use
+    qd = q8.double() * _expand_rows(qs, q_rows, Sq) if lse_q == "int8" else q  # dequantized int8 Q or q itself
     return out, lse + lse_smoothing_shift(qd, k_mean, softmax_scale)

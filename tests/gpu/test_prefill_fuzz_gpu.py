@@ -82,8 +82,9 @@ def _tensors(c: dict, lens_q: list, lens_k: list):
 
 def _reference(c: dict, q, k, v):
     """(out fp64, LSE fp64) of one dense (B, S, H, D) problem under the call's quantization rules."""
+    # the LSE's smoothing shift: per_warp's kernel quantizes Q (SM90) and takes it from the 16-bit Q
     kw = dict(causal=c["causal"], softmax_scale=c["softmax_scale"], granularity=c["granularity"],
-              smooth_k=c["smooth_k"], return_lse=True)
+              smooth_k=c["smooth_k"], return_lse=True, lse_q="16bit" if c["granularity"] == "per_warp" else "int8")
     if c["pv_dtype"] == "fp8":
         from qattn.reference.prefill_fp8pv import prefill_fp8pv_emulation
 

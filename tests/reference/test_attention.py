@@ -133,3 +133,8 @@ def test_prefill_reference_lse_is_that_of_the_unsmoothed_k():
     lse = prefill_reference(q, k, v, qk_quant="int8", return_lse=True)[1]
     assert float((lse - exact).abs().max()) < 0.1
     assert float((lse - lse_smoothing_shift(q, k.mean(1), None) - exact).abs().mean()) > 1.0
+    # the shift from the caller's Q (SM90 flash_attn_func, per_warp) leaves out the int8 Q's rounding times the mean
+    lse16 = prefill_reference(q, k, v, qk_quant="int8", return_lse=True, lse_q="16bit")[1]
+    assert float((lse16 - exact).abs().max()) < float((lse - exact).abs().max()) / 4
+    with pytest.raises(ValueError, match="lse_q"):
+        prefill_reference(q, k, v, qk_quant="int8", lse_q="fp32")

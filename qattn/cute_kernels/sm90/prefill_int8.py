@@ -709,7 +709,8 @@ class QKInt8PrefillSm90:
             qs_log2 = q_scale * scale_log2
         self._bq = None
         if cutlass.const_expr(cfg.softcap > 0.0 and self.int8_qk):
-            self._bq = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr)
+            self._bq = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr,
+                                            (q_words[0], sQin_layout) if self.quantize_q else None, scale_log2)
         # causal: row i sees keys j <= i + diag (diag includes window_right in a local kernel); local: keys
         # j >= i + seqlen_k - seqlen_q - window_left too (``mask_diag``: what ``_scores`` takes, diag or (diag,
         # window): the lower bound's offset is recomputed from the kernel's window arguments where it is used,
@@ -819,7 +820,8 @@ class QKInt8PrefillSm90:
         # shifted-out LSEs (the same shift for every split of a row) and adds it once.
         lse_shift = None
         if cutlass.const_expr(self.int8_qk and cfg.softcap == 0.0):
-            lse_shift = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr)
+            lse_shift = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr,
+                                              (q_words[0], sQin_layout) if self.quantize_q else None, scale_log2)
         q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
         if cutlass.const_expr(tail_args is not None):
             self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args,
@@ -1084,16 +1086,35 @@ class QKInt8PrefillSm90:
         return k_tok, v_tok
 
     @cute.jit
-    def _row_mean_logits(self, sQ_layout, ctid, head_row, qs_log2, qk_balance_addr):
+    def _row_mean_logits(self, sQ_layout, ctid, head_row, qs_log2, qk_balance_addr, q_in, scale_log2):
         """Per row of this thread (r0, r0 + 8), the score shift that K's smoothing took out, in the kernel's
-        score units (pre-tanh with ``softcap``, else log2 for the LSE): qs_log2 * sum_c q_int8[r, c] * k_mean[c]
-        (/ qk_balance[c] with ``balance_qk``, whose K was divided by it), from the int8 Q tile in shared memory (the Q the scores use) and the mean
-        (``_k_mean_addr``; 0: an unsmoothed K, no shift). The four lanes of a quad split the columns. Once per CTA."""
+        score units (pre-tanh with ``softcap``, else log2 for the LSE), from the mean (``_k_mean_addr``; 0: an
+        unsmoothed K, no shift). ``quantize_q``: scale_log2 * sum_c q[r, c] * k_mean[c] of the caller's 16-bit Q
+        (``q_in``: the staging tile's words and layout), since the int8 Q's rounding times a large mean would stay
+        in the LSE (docs/prefill.md). A prepass-quantized Q: qs_log2 * sum_c q_int8[r, c] * k_mean[c] (/
+        qk_balance[c] with ``balance_qk``) from the int8 Q tile. A quad's four lanes split the columns."""
         D = self.D
         gmem = cute.AddressSpace.gmem
         bq = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         bq.fill(0.0)
-        if self._k_mean_addr != Int64(0):
+        if cutlass.const_expr(self.quantize_q):
+            if self._k_mean_addr != Int64(0):
+                q_words, sQin_layout = q_in
+                mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
+                widen = bf16x2_to_f32x2 if self.v_dtype is BFloat16 else fp4.f16x2_to_f32x2
+                t = ctid % 4
+                r0 = _first_row(ctid)
+                for w in cutlass.range_constexpr(D // 32):  # this lane's D / 4 columns, 8 per 16-byte chunk
+                    c0 = t * (D // 4) + 8 * w
+                    m8 = cute.make_tensor(mean_ptr + c0, cute.make_layout(8)).load()  # both rows' means
+                    for i in cutlass.range_constexpr(2):
+                        w0 = _swizzled_byte_offset(sQin_layout, r0 + 8 * i, c0, 2) // 4  # chunks stay whole
+                        for j in cutlass.range_constexpr(4):
+                            lo, hi = widen(q_words[w0 + j])
+                            bq[i] = bq[i] + lo * m8[2 * j] + hi * m8[2 * j + 1]
+                for i in cutlass.range_constexpr(2):
+                    bq[i] = scale_log2 * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
+        elif self._k_mean_addr != Int64(0):
             mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
             lam = None
             if cutlass.const_expr(self.cfg.balance_qk):
