@@ -162,7 +162,9 @@ def _flash_attn_with_kvcache_eager(
     window_size: tuple = (-1, -1),
     softcap: float = 0.0,
 ):
-    """Attention of ``q`` (batch, seqlen_q, num_heads, head_dim) over the paged cache, FlashAttention style.
+    """Attention of ``q`` (batch, seqlen_q, num_heads, head_dim) over the paged cache, FlashAttention style, but
+    over the quantized cache object instead of ``k_cache`` / ``v_cache``: new tokens go in by ``write_kv`` first
+    (no ``k`` / ``v`` / rotary arguments); FlashAttention's ``return_softmax_lse`` is ``return_lse``.
 
     ``cache_seqlens`` (batch,) int32 and ``block_table`` (batch, max_blocks) int32 live on q's device: token t of
     sequence b is in block ``block_table[b, t // page_size]``. ``causal`` (True by default, unlike FlashAttention's
