@@ -171,7 +171,7 @@ def _flash_attn_with_kvcache_eager(
     False; the same for seqlen_q 1): the mask is aligned to the end of the cache (query i sees keys j <= i + len -
     seqlen_q; a row that sees no key gives 0 and LSE -inf). ``window_size=(left, right)``: FlashAttention's sliding
     window, query i sees keys i + len - seqlen_q - left <= j <= i + len - seqlen_q + right (-1: unbounded; causal: right
-    0); the pages (and ring rows) left of the window are not read.
+    0); the page tiles (and ring rows) left of the window are not read.
     ``num_splits`` = 0 picks the split-KV count from host-known sizes. ``softcap > 0``: FlashAttention's logit
     soft-capping, scores z become softcap * tanh(z / softcap) (not on a cache whose K was smoothed by
     ``write_kv(k_mean=...)``, since the cap is not invariant to the shift smoothing takes out: a ValueError).
