@@ -261,8 +261,8 @@ def prefill_int8(
     (``k_mean / qk_balance`` for a Q the prepass balanced; not with ``qk_balance=``), that of the scores with it
     back, ``+ softmax_scale * q . k_mean`` per row (FlashAttention's LSE of the unsmoothed K, e.g. to merge partial
     results; ``q`` the 16-bit Q where the kernel quantizes it, ``q_scale=None``, else the int8 Q times its scale,
-    whose rounding times a large mean stays in the LSE), without it that of the smoothed scores. The causal mask is aligned
-    to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
+    whose rounding times a large mean stays in the LSE), without it that of the smoothed scores. The causal mask
+    is aligned to the end (FlashAttention): query i sees keys j <= i + seqlen_k - seqlen_q.
     ``window_size=(left, right)``: sliding-window attention as in FlashAttention, query i sees keys
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded; causal: right = 0).
     ``softcap > 0``: FlashAttention's logit soft-capping, scores ``softcap * tanh(scores / softcap)`` (SM90; SM100

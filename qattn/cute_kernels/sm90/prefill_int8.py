@@ -707,10 +707,11 @@ class QKInt8PrefillSm90:
                                    cute.make_layout(1 << 30))
             ks_base = (b * num_kv_heads + h_kv) * num_k_blocks
             qs_log2 = q_scale * scale_log2
+        q_in = (q_words[0], sQin_layout) if self.quantize_q else None  # the 16-bit Q tile (``_row_mean_logits``)
         self._bq = None
         if cutlass.const_expr(cfg.softcap > 0.0 and self.int8_qk):
             self._bq = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr,
-                                            (q_words[0], sQin_layout) if self.quantize_q else None, scale_log2)
+                                            q_in, scale_log2)
         # causal: row i sees keys j <= i + diag (diag includes window_right in a local kernel); local: keys
         # j >= i + seqlen_k - seqlen_q - window_left too (``mask_diag``: what ``_scores`` takes, diag or (diag,
         # window): the lower bound's offset is recomputed from the kernel's window arguments where it is used,
@@ -821,7 +822,7 @@ class QKInt8PrefillSm90:
         lse_shift = None
         if cutlass.const_expr(self.int8_qk and cfg.softcap == 0.0):
             lse_shift = self._row_mean_logits(sQ_layout, ctid, b * num_kv_heads + h_kv, qs_log2, qk_balance_addr,
-                                              (q_words[0], sQin_layout) if self.quantize_q else None, scale_log2)
+                                              q_in, scale_log2)
         q_end = seqlen_q  # rows written below: none for a split CTA, whose unit the last one merges
         if cutlass.const_expr(tail_args is not None):
             self._split_epilogue(acc_o, tOcO, inv_sum, lse2, m_block, seqlen_q, mO, mLSE, vs_cols, ctid, tail_args,
@@ -1097,13 +1098,15 @@ class QKInt8PrefillSm90:
         gmem = cute.AddressSpace.gmem
         bq = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         bq.fill(0.0)
-        if cutlass.const_expr(self.quantize_q):
-            if self._k_mean_addr != Int64(0):
+        if self._k_mean_addr != Int64(0):
+            mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
+            t = ctid % 4
+            r0 = _first_row(ctid)
+            row_scale = qs_log2
+            if cutlass.const_expr(self.quantize_q):
+                row_scale = scale_log2
                 q_words, sQin_layout = q_in
-                mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
                 widen = bf16x2_to_f32x2 if self.v_dtype is BFloat16 else fp4.f16x2_to_f32x2
-                t = ctid % 4
-                r0 = _first_row(ctid)
                 for w in cutlass.range_constexpr(D // 32):  # this lane's D / 4 columns, 8 per 16-byte chunk
                     c0 = t * (D // 4) + 8 * w
                     m8 = cute.make_tensor(mean_ptr + c0, cute.make_layout(8)).load()  # both rows' means
@@ -1112,32 +1115,27 @@ class QKInt8PrefillSm90:
                         for j in cutlass.range_constexpr(4):
                             lo, hi = widen(q_words[w0 + j])
                             bq[i] = bq[i] + lo * m8[2 * j] + hi * m8[2 * j + 1]
-                for i in cutlass.range_constexpr(2):
-                    bq[i] = scale_log2 * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
-        elif self._k_mean_addr != Int64(0):
-            mean_ptr = cute.make_ptr(Float32, self._k_mean_addr, gmem, assumed_align=16) + head_row * D
-            lam = None
-            if cutlass.const_expr(self.cfg.balance_qk):
-                lam = cute.make_tensor(cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4) + head_row * D,
-                                       cute.make_layout(D))
-            t = ctid % 4
-            r0 = _first_row(ctid)
-            for w in cutlass.range_constexpr(D // 16):  # this lane's D / 4 columns, 4 per 32-bit word
-                c0 = t * (D // 4) + 4 * w
-                w0 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0, c0, 1) // 4])
-                w1 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0 + 8, c0, 1) // 4])
-                m4 = cute.make_tensor(mean_ptr + c0, cute.make_layout(4)).load()  # one 16-byte load, both rows
-                for e in cutlass.range_constexpr(4):
-                    m = m4[e]
-                    if cutlass.const_expr(lam is not None):
-                        m = m / lam[c0 + e]
-                    # int8 byte e as fp32 exactly: 2^23 + (q + 128) from the bits (q + 128 = byte ^ 0x80), minus
-                    # 2^23 + 128 (bit ops and an FADD instead of the quarter-rate int -> float conversion)
-                    for i, wd in ((0, w0), (1, w1)):
-                        u = ((Uint32(wd) >> (8 * e)) & Uint32(0xFF)) ^ Uint32(0x4B000080)
-                        bq[i] = bq[i] + (_f32_from_bits(u) - Float32(8388736.0)) * m
+            else:
+                lam = None
+                if cutlass.const_expr(self.cfg.balance_qk):
+                    lam = cute.make_tensor(cute.make_ptr(Float32, qk_balance_addr, gmem, assumed_align=4)
+                                           + head_row * D, cute.make_layout(D))
+                for w in cutlass.range_constexpr(D // 16):  # this lane's D / 4 columns, 4 per 32-bit word
+                    c0 = t * (D // 4) + 4 * w
+                    w0 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0, c0, 1) // 4])
+                    w1 = Int32(self._sq_words[_swizzled_byte_offset(sQ_layout, r0 + 8, c0, 1) // 4])
+                    m4 = cute.make_tensor(mean_ptr + c0, cute.make_layout(4)).load()  # one 16-byte load, both rows
+                    for e in cutlass.range_constexpr(4):
+                        m = m4[e]
+                        if cutlass.const_expr(lam is not None):
+                            m = m / lam[c0 + e]
+                        # int8 byte e as fp32 exactly: 2^23 + (q + 128) from the bits (q + 128 = byte ^ 0x80),
+                        # minus 2^23 + 128 (bit ops and an FADD instead of the quarter-rate int -> float conversion)
+                        for i, wd in ((0, w0), (1, w1)):
+                            u = ((Uint32(wd) >> (8 * e)) & Uint32(0xFF)) ^ Uint32(0x4B000080)
+                            bq[i] = bq[i] + (_f32_from_bits(u) - Float32(8388736.0)) * m
             for i in cutlass.range_constexpr(2):
-                bq[i] = qs_log2 * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
+                bq[i] = row_scale * cute.arch.warp_reduction(bq[i], lambda a, b: a + b, threads_in_group=4)
         return bq
 
     @cute.jit
